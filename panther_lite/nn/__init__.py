@@ -1,0 +1,15 @@
+"""Sketched layers, their operator and tensor-core-aligned rank selection."""
+from .functional import sketched_linear
+from .rank_selection import SketchSize, align_rank, dense_size, select_config, sketch_size, tensor_core_multiple
+from .sklinear import SKLinear
+
+__all__ = [
+    "SKLinear",
+    "sketched_linear",
+    "SketchSize",
+    "align_rank",
+    "dense_size",
+    "select_config",
+    "sketch_size",
+    "tensor_core_multiple",
+]
