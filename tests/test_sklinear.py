@@ -370,3 +370,11 @@ def test_cuda_autocast_and_compile(dtype):
     torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=1e-2)
     compiled.float().sum().backward()
     assert layer.S1.grad.dtype == torch.float32
+
+
+def test_torch_export_keeps_the_custom_op():
+    layer = make_layer(16, 12, 2, 3, dtype=torch.float32)
+    x = torch.randn(4, 16)
+    exported = torch.export.export(layer, (x,))
+    assert "panther_lite.sketched_linear" in str(exported.graph)
+    torch.testing.assert_close(exported.module()(x), layer(x), rtol=0, atol=0)

@@ -109,7 +109,7 @@ def sketched_linear(
     if cast_dtype is not None:
         x, S1, U1, U2, S2 = (t.to(cast_dtype) for t in (x, S1, U1, U2, S2))
         bias = None if bias is None else bias.to(cast_dtype)
-    lead_shape = x.shape[:-1]
-    x2d = x.reshape(-1, x.shape[-1])
-    out, _ = _sketched_linear_op(x2d, S1, U1, U2, S2, bias, scale)
-    return out.reshape(*lead_shape, out.shape[-1])
+    if x.dim() == 2:
+        return _sketched_linear_op(x, S1, U1, U2, S2, bias, scale)[0]
+    out, _ = _sketched_linear_op(x.reshape(-1, x.shape[-1]), S1, U1, U2, S2, bias, scale)
+    return out.reshape(*x.shape[:-1], out.shape[-1])

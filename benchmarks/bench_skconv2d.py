@@ -1,0 +1,175 @@
+"""SKConv2d against nn.Conv2d at the same dtype: forward and forward+backward, NCHW and channels_last.
+
+Grid (the anchor's): kernel 3/5/9 × image 64/128/256, every size configurable. Writes
+``benchmarks/results/<device>/skconv2d_<device name>.csv`` and ``.png`` with the median
+times, the speed-up ``dense_ms / sketched_ms`` and the FLOP ratio it is bounded by.
+
+    python benchmarks/bench_skconv2d.py                      # CPU, small default sizes
+    python benchmarks/bench_skconv2d.py --device cuda --dtype bfloat16 --channels 256 --batch 16
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import platform
+import re
+import warnings
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from panther_lite.benchmark import time_callable  # noqa: E402
+from panther_lite.nn import SKConv2d  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODES = ("forward", "forward+backward")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default: cpu)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--kernels", type=int, nargs="+", default=[3, 5, 9])
+    parser.add_argument("--images", type=int, nargs="+", default=[64, 128, 256], help="square image sides")
+    parser.add_argument("--channels", type=int, default=32, help="C_in = C_out")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--num-terms", type=int, default=1, help="L")
+    parser.add_argument("--low-rank", type=int, default=4, help="k (the layer has rank 2Lk)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<device type>")
+    return parser.parse_args(argv)
+
+
+def device_name(device: torch.device) -> str:
+    """A file-name-safe name of the machine's accelerator or CPU."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine() or "cpu"
+        name = f"cpu-{name}-{torch.get_num_threads()}threads"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-").lower()
+
+
+def conv_flops(batch: int, out_hw: int, fan_in: int, fan_out: int) -> int:
+    """Multiply-adds ×2 of one convolution producing ``batch × fan_out × out_hw`` outputs."""
+    return 2 * batch * out_hw * fan_in * fan_out
+
+
+def make_step(module: nn.Module, x: torch.Tensor, mode: str):
+    """A callable running one forward (no autograd graph) or one forward+backward."""
+    if mode == "forward":
+
+        def step():
+            with torch.no_grad():
+                return module(x)
+
+        return step
+    x = x.detach().requires_grad_()
+    inputs = [x, *(p for p in module.parameters() if p.requires_grad)]
+    with torch.no_grad():
+        grad_out = torch.randn_like(module(x))
+
+    def step():
+        return torch.autograd.grad(module(x), inputs, grad_out)
+
+    return step
+
+
+def run(args: argparse.Namespace) -> pd.DataFrame:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    c, L, k = args.channels, args.num_terms, args.low_rank
+    rows = []
+    for kernel, image, channels_last, mode in itertools.product(
+        args.kernels, args.images, (False, True), MODES
+    ):
+        memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        dense = nn.Conv2d(c, c, kernel, padding="same", device=device, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # large L·k on tiny convs store more than dense
+            sketched = SKConv2d.from_conv2d(dense, L, k, init="sketch", seed=0)
+        dense.to(memory_format=memory_format)
+        sketched.to(memory_format=memory_format)
+        x = torch.randn(args.batch, c, image, image, device=device, dtype=dtype).to(memory_format=memory_format)
+        times = {
+            name: time_callable(make_step(module, x, mode), device=device, warmup=args.warmup, repeats=args.repeats)
+            for name, module in (("dense", dense), ("sketched", sketched))
+        }
+        fan_in = c * kernel * kernel
+        dense_flops = conv_flops(args.batch, image * image, fan_in, c)
+        sketch_flops = conv_flops(args.batch, image * image, fan_in, 2 * L * k) + conv_flops(
+            args.batch, image * image, 2 * L * k, c
+        )
+        rows.append(
+            dict(
+                device=device_name(device),
+                dtype=args.dtype,
+                batch=args.batch,
+                channels=c,
+                kernel=kernel,
+                image=image,
+                channels_last=channels_last,
+                mode=mode,
+                num_terms=L,
+                low_rank=k,
+                dense_ms=times["dense"],
+                sketched_ms=times["sketched"],
+                speedup=times["dense"] / times["sketched"],
+                flop_ratio=dense_flops / sketch_flops,
+            )
+        )
+        print(
+            f"k={kernel} img={image} cl={channels_last!s:5} {mode:16} dense {times['dense']:9.3f} ms  "
+            f"sk {times['sketched']:9.3f} ms  speed-up {rows[-1]['speedup']:.2f}x (FLOPs {rows[-1]['flop_ratio']:.2f}x)",
+            flush=True,
+        )
+    return pd.DataFrame(rows)
+
+
+def plot(frame: pd.DataFrame, path: Path) -> None:
+    """Speed-up vs image size, one panel per (mode, memory format), one line per kernel."""
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True, squeeze=False)
+    for row, mode in enumerate(MODES):
+        for col, channels_last in enumerate((False, True)):
+            ax = axes[row][col]
+            panel = frame[(frame["mode"] == mode) & (frame["channels_last"] == channels_last)]
+            for index, (kernel, group) in enumerate(panel.groupby("kernel")):
+                color = f"C{index}"
+                ax.plot(group["image"], group["speedup"], "o-", color=color, label=f"{kernel}×{kernel} measured")
+                ax.plot(group["image"], group["flop_ratio"], "--", color=color, alpha=0.6, label=f"{kernel}×{kernel} FLOPs")
+            ax.axhline(1.0, color="gray", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mode}, {'channels_last' if channels_last else 'NCHW'}")
+            ax.set_xlabel("image side")
+            ax.set_ylabel("nn.Conv2d time / SKConv2d time")
+            ax.legend(fontsize=7)
+    first = frame.iloc[0]
+    fig.suptitle(
+        f"SKConv2d vs nn.Conv2d on {first['device']} ({first['dtype']}, batch {first['batch']}, "
+        f"C={first['channels']}, L={first['num_terms']}, k={first['low_rank']})"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    frame = run(args)
+    out_dir = args.out_dir or RESULTS / torch.device(args.device).type
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"skconv2d_{frame['device'].iloc[0]}"
+    frame.to_csv(stem.with_suffix(".csv"), index=False)
+    plot(frame, stem.with_suffix(".png"))
+    print(f"wrote {stem}.csv and {stem}.png")
+
+
+if __name__ == "__main__":
+    main()

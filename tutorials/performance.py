@@ -1,0 +1,284 @@
+"""Tutorial: performance of sketched layers — timing, memory, tensor cores, mixed
+precision, profiling and compiling.
+
+Sections (each prints what it measured; plots go to ``--output-dir``):
+
+1. Timing done right: the naive wall-clock way (no warm-up, no synchronisation — on a GPU
+   it measures kernel *launches*, not kernels) against CUDA events / a synchronised
+   median (:func:`panther_lite.benchmark.time_callable`).
+2. Memory: parameters trainable vs stored, the bytes autograd saves for backward — for
+   ``nn.Linear``, ``SKLinear`` and the per-term formulation of the Panther library
+   (``L × batch × out`` temporaries) — and, on CUDA, the peak allocated memory.
+3. Tensor-core alignment: :func:`~panther_lite.nn.tensor_core_multiple`,
+   :func:`~panther_lite.nn.align_rank`, :func:`~panther_lite.nn.select_config`, and the
+   time of an aligned against an unaligned rank.
+4. Mixed-precision training with ``torch.autocast`` (bf16) and fp16 with
+   ``torch.amp.GradScaler`` (the current spellings; ``torch.cuda.amp`` is deprecated).
+5. Profiling a training step with ``torch.profiler`` (a Chrome trace is saved).
+6. Compiling for production with ``torch.compile(fullgraph=True)``.
+
+Everything runs on the CPU when there is no GPU (``--quick``: tiny sizes, seconds).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from panther_lite.benchmark import time_callable  # noqa: E402
+from panther_lite.nn import SKLinear, align_rank, select_config, tensor_core_multiple  # noqa: E402
+
+
+def naive_ms(fn, repeats):
+    """The common mistake: wall-clock around the calls, no warm-up, no synchronisation."""
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) * 1e3 / repeats
+
+
+def cuda_event_ms(fn, warmup, repeats):
+    """Median over ``repeats`` of GPU time between two CUDA events around ``fn``."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def per_term_forward(layer: SKLinear, x):
+    """The Panther library's formulation: every term's output is materialised
+    (``L × batch × out``) and then averaged. Same function as ``layer(x)``."""
+    xs = x.unsqueeze(0).expand(layer.num_terms, *x.shape)
+    first = torch.bmm(torch.bmm(xs, layer.S1s), layer.U1s)
+    second = torch.bmm(torch.bmm(xs, layer.U2s), layer.S2s)
+    return (first + second).mean(0) / 2 + layer.bias
+
+
+def saved_bytes(fn, exclude):
+    """Bytes autograd saves for backward while running ``fn()`` (tensors in ``exclude``,
+    i.e. parameters and buffers, not counted)."""
+    skip = {t.data_ptr() for t in exclude}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if t.data_ptr() not in skip:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def section_timing(device, width, batch, warmup, repeats):
+    print("== 1. Timing done right ==")
+    layer = SKLinear(width, width, num_terms=1, low_rank=width // 32, device=device, seed=0)
+    x = torch.randn(batch, width, device=device)
+
+    @torch.no_grad()
+    def forward():
+        layer(x)
+
+    naive = naive_ms(forward, repeats)
+    proper = time_callable(forward, device=device, warmup=warmup, repeats=repeats)
+    print(f"naive wall clock (first calls included, no sync): {naive:.3f} ms")
+    print(f"time_callable (warm-up, synchronised median):      {proper:.3f} ms")
+    timings = {"naive": naive, "time_callable": proper}
+    if device.type == "cuda":
+        timings["CUDA events"] = cuda_event_ms(forward, warmup, repeats)
+        print(f"CUDA events (GPU time only):                       {timings['CUDA events']:.3f} ms")
+    return timings
+
+
+def section_memory(device, width, batch, num_terms, low_rank):
+    print("\n== 2. Memory ==")
+    x = torch.randn(batch, width, device=device, requires_grad=True)
+    dense = nn.Linear(width, width, device=device)
+    layer = SKLinear(width, width, num_terms, low_rank, device=device, seed=0)
+    counts = layer.parameter_counts()
+    print(f"nn.Linear stores {sum(p.numel() for p in dense.parameters()):,} parameters")
+    print(f"SKLinear(L={num_terms}, k={low_rank}): {counts.trainable:,} trainable, {counts.stored:,} stored (U buffers)")
+    tensors = list(layer.parameters()) + list(layer.buffers())
+    rows = {
+        "nn.Linear": saved_bytes(lambda: dense(x), list(dense.parameters())),
+        "SKLinear": saved_bytes(lambda: layer(x), tensors),
+        "per-term (Panther)": saved_bytes(lambda: per_term_forward(layer, x), tensors),
+    }
+    for name, size in rows.items():
+        print(f"saved for backward, {name:>18}: {size / 2**20:8.3f} MiB")
+    torch.testing.assert_close(per_term_forward(layer, x), layer(x), rtol=1e-4, atol=1e-5)
+    if device.type == "cuda":
+        for name, fn in (("nn.Linear", lambda: dense(x)), ("SKLinear", lambda: layer(x))):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fn().sum().backward()
+            torch.cuda.synchronize()
+            print(f"peak extra CUDA memory, forward+backward, {name}: {(torch.cuda.max_memory_allocated() - base) / 2**20:.2f} MiB")
+    return rows
+
+
+def section_tensor_cores(device, width, batch, warmup, repeats):
+    print("\n== 3. Tensor-core alignment ==")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    multiple = tensor_core_multiple(dtype)
+    print(f"tensor_core_multiple({dtype}) = {multiple}; bf16/fp16 want 8, int8/fp8 16, tf32 4")
+    print(f"align_rank(67, 8) = {align_rank(67, 8)}  (rounded down, never to 0: align_rank(5, 8) = {align_rank(5, 8)})")
+    config = select_config(width, width, param_ratio=0.25, dtype=dtype)
+    print(f"select_config({width}, {width}, param_ratio=0.25, dtype={dtype}) = {config}  (num_terms, low_rank)")
+    aligned = max(multiple, align_rank(width // 16, multiple))
+    x = torch.randn(batch, width, device=device, dtype=dtype)
+    times = {}
+    for rank in (aligned, aligned + 1):
+        layer = SKLinear(width, width, 1, rank, device=device, dtype=dtype, seed=0)
+        with torch.no_grad():
+            times[rank] = time_callable(lambda: layer(x), device=device, warmup=warmup, repeats=repeats)
+        print(f"low_rank={rank:4d} ({'aligned' if rank % multiple == 0 else 'unaligned'}): {times[rank]:.3f} ms")
+    if device.type != "cuda":
+        print("(no tensor cores on a CPU: the difference here is only the extra rank)")
+    return times
+
+
+def train_steps(model, x, y, steps, device, dtype, scaler=None):
+    """``steps`` optimizer steps under autocast at ``dtype``; returns the losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device_type=device.type, dtype=dtype):
+            loss = F.cross_entropy(model(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        losses.append(loss.item())
+    return losses
+
+
+def model_and_data(device, width, batch, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        SKLinear(width, width, 1, width // 16, device=device, seed=seed),
+        nn.GELU(),
+        SKLinear(width, width, 1, width // 16, device=device, seed=seed + 1),
+        nn.GELU(),
+        nn.Linear(width, 10, device=device),
+    )
+    x = torch.randn(batch, width, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    return model, x, y
+
+
+def section_mixed_precision(device, width, batch, steps):
+    print("\n== 4. Mixed-precision training ==")
+    curves = {}
+    model, x, y = model_and_data(device, width, batch)
+    curves["bf16 autocast"] = train_steps(model, x, y, steps, device, torch.bfloat16)
+    model, x, y = model_and_data(device, width, batch)
+    scaler = torch.amp.GradScaler(device.type)
+    curves["fp16 autocast + GradScaler"] = train_steps(model, x, y, steps, device, torch.float16, scaler)
+    for name, losses in curves.items():
+        print(f"{name:>27}: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    print(f"GradScaler scale after {steps} steps: {scaler.get_scale():.0f}")
+    return curves
+
+
+def section_profiling(device, width, batch, output_dir):
+    print("\n== 5. Profiling a training step ==")
+    model, x, y = model_and_data(device, width, batch)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    step()  # warm-up outside the profile
+    with profile(activities=activities, record_shapes=True) as prof:
+        for _ in range(3):
+            step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=8))
+    trace = output_dir / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    print(f"Chrome trace saved to {trace} (open in chrome://tracing or https://ui.perfetto.dev)")
+
+
+def section_compile(device, width, batch, warmup, repeats):
+    print("\n== 6. Compiling for production ==")
+    model, x, _ = model_and_data(device, width, batch)
+    model.eval()
+    mode = "max-autotune" if device.type == "cuda" else None
+    compiled = torch.compile(model, mode=mode, fullgraph=True)  # fullgraph: fail loudly on graph breaks
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+        eager = time_callable(lambda: model(x), device=device, warmup=warmup, repeats=repeats)
+        fast = time_callable(lambda: compiled(x), device=device, warmup=warmup, repeats=repeats)
+    print(f"eager {eager:.3f} ms, torch.compile(mode={mode!r}, fullgraph=True) {fast:.3f} ms; outputs equal")
+    return {"eager": eager, "compiled": fast}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds on a CPU")
+    parser.add_argument("--output-dir", type=Path, default=Path("tutorial_outputs/performance"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    width, batch = (128, 32) if args.quick else (4096, 1024)
+    warmup, repeats, steps = (1, 5, 3) if args.quick else (10, 50, 30)
+
+    timings = section_timing(device, width, batch, warmup, repeats)
+    memory = section_memory(device, width, batch, num_terms=4, low_rank=width // 32)
+    ranks = section_tensor_cores(device, width, batch, warmup, repeats)
+    curves = section_mixed_precision(device, width, batch, steps)
+    section_profiling(device, width, batch, args.output_dir)
+    compiled = section_compile(device, width, batch, warmup, repeats)
+
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    panels = [
+        (axes[0], timings, "ms", "timing method"),
+        (axes[1], {k: v / 2**20 for k, v in memory.items()}, "MiB saved for backward", "memory"),
+        (axes[2], {f"k={k}": v for k, v in ranks.items()}, "ms", "rank alignment"),
+    ]
+    for ax, values, ylabel, title in panels:
+        ax.bar(list(values), list(values.values()))
+        ax.set(ylabel=ylabel, title=title)
+        ax.tick_params(axis="x", labelrotation=15)
+    for name, losses in curves.items():
+        axes[3].plot(range(1, len(losses) + 1), losses, marker="o", label=name)
+    axes[3].set(xlabel="step", ylabel="loss", title=f"mixed precision (compiled {compiled['compiled']:.2f} ms)")
+    axes[3].legend()
+    fig.tight_layout()
+    path = args.output_dir / "performance.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"\nplot saved to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Tutorial: replace the dense layers of an MLP with SKLinear and train it from scratch.
+
+Workflow 1 of panther_lite. We
+
+1. build the same MLP twice — once with ``nn.Linear`` hidden layers, once with
+   ``SKLinear`` (``y = 1/(2L) Σ_i (x S1_i U1_i + x U2_i S2_i) + b``) in their place;
+2. train both on scikit-learn's bundled digits data set (8×8 images, 10 classes) and
+   compare test accuracy and parameter counts (trainable *and* stored: the fixed U
+   sketch buffers are stored but never trained);
+3. measure one wide layer's forward and forward+backward time (median of repeated,
+   synchronised runs via :func:`panther_lite.benchmark.time_callable`), its stored
+   parameters and, on CUDA, its peak training memory, against ``nn.Linear`` at the same
+   dtype in the same run.
+
+Run ``python tutorials/replace_dense_layers.py --help`` for options; ``--quick`` uses
+tiny sizes (seconds on a laptop CPU). Plots are written to ``--output-dir``.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+
+from panther_lite.benchmark import time_callable  # noqa: E402
+from panther_lite.nn import SKLinear  # noqa: E402
+
+
+def make_mlp(widths, num_terms=None, low_rank=None, seed=0):
+    """An MLP ``widths[0] → … → widths[-1]`` with ReLU between layers.
+
+    With ``num_terms``/``low_rank`` every hidden layer is an ``SKLinear``; the small
+    classifier head stays an ``nn.Linear`` (sketching it would save nothing). ``seed``
+    fixes the sketch buffers, as every data-parallel rank should.
+    """
+    layers = []
+    pairs = list(zip(widths[:-1], widths[1:]))
+    for i, (fan_in, fan_out) in enumerate(pairs):
+        last = i == len(pairs) - 1
+        if num_terms is None or last:
+            layers.append(nn.Linear(fan_in, fan_out))
+        else:
+            layers.append(SKLinear(fan_in, fan_out, num_terms=num_terms, low_rank=low_rank, seed=seed + i))
+        if not last:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def parameter_counts(model):
+    """``(trainable, stored)``: parameters, and parameters plus buffers (the U sketches)."""
+    trainable = sum(p.numel() for p in model.parameters())
+    return trainable, trainable + sum(b.numel() for b in model.buffers())
+
+
+def digits(device):
+    """Standardised digits features, split 80/20 with a fixed permutation."""
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32)
+    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
+    y = torch.tensor(data.target)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    cut = int(0.8 * len(x))
+    train, test = perm[:cut], perm[cut:]
+    return (x[train].to(device), y[train].to(device)), (x[test].to(device), y[test].to(device))
+
+
+def train(model, train_set, test_set, epochs, batch_size, lr, seed):
+    """Adam on mini-batches; returns per-epoch training losses and the test accuracy."""
+    torch.manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    x, y = train_set
+    losses = []
+    for _ in range(epochs):
+        model.train()
+        order = torch.randperm(len(x), device=x.device)
+        total = 0.0
+        for start in range(0, len(x), batch_size):
+            idx = order[start : start + batch_size]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += loss.item() * len(idx)
+        losses.append(total / len(x))
+    model.eval()
+    with torch.no_grad():
+        accuracy = (model(test_set[0]).argmax(1) == test_set[1]).float().mean().item()
+    return losses, accuracy
+
+
+def peak_training_memory_mb(step, device):
+    """Peak CUDA memory (MiB) allocated by ``step()`` beyond what was allocated before;
+    None on other devices (use ``tutorials/performance.py`` for a CPU-side analysis)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def layer_costs(width, batch, num_terms, low_rank, device, dtype, warmup, repeats):
+    """Time (ms) and memory of one ``width × width`` layer, dense vs sketched."""
+    x = torch.randn(batch, width, device=device, dtype=dtype, requires_grad=True)
+    rows = []
+    for name, layer in (
+        ("nn.Linear", nn.Linear(width, width, device=device, dtype=dtype)),
+        (
+            f"SKLinear(L={num_terms}, k={low_rank})",
+            SKLinear(width, width, num_terms, low_rank, device=device, dtype=dtype, seed=0),
+        ),
+    ):
+        def step(layer=layer):
+            layer(x).sum().backward()
+
+        with torch.no_grad():
+            forward_ms = time_callable(lambda layer=layer: layer(x), device=device, warmup=warmup, repeats=repeats)
+        rows.append(
+            dict(
+                layer=name,
+                forward_ms=forward_ms,
+                train_step_ms=time_callable(step, device=device, warmup=warmup, repeats=repeats),
+                stored_params=parameter_counts(layer)[1],
+                peak_memory_mb=peak_training_memory_mb(step, device),
+            )
+        )
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds on a CPU")
+    parser.add_argument("--output-dir", type=Path, default=Path("tutorial_outputs/replace_dense_layers"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--num-terms", type=int, default=1, help="L, sketch terms per layer")
+    parser.add_argument("--low-rank", type=int, default=16, help="k, rank of each term")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+
+    hidden = 64 if args.quick else 512
+    epochs = 2 if args.quick else args.epochs
+    widths = [64, hidden, hidden, 10]
+    train_set, test_set = digits(device)
+
+    print(f"== 1. Train an MLP {widths} on digits ({epochs} epochs, {device}) ==")
+    results = {}
+    for name, kwargs in (
+        ("dense", {}),
+        ("sketched", dict(num_terms=args.num_terms, low_rank=args.low_rank)),
+    ):
+        torch.manual_seed(args.seed)
+        model = make_mlp(widths, seed=args.seed, **kwargs).to(device)
+        losses, accuracy = train(model, train_set, test_set, epochs, 64, 3e-3, args.seed)
+        trainable, stored = parameter_counts(model)
+        results[name] = losses
+        print(
+            f"{name:>9}: test accuracy {accuracy:.3f}, final loss {losses[-1]:.4f}, "
+            f"trainable params {trainable:,}, stored (with U buffers) {stored:,}"
+        )
+
+    width = 128 if args.quick else 4096
+    batch = 32 if args.quick else 512
+    warmup, repeats = (1, 3) if args.quick else (5, 30)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    print(f"\n== 2. One {width}x{width} layer, batch {batch}, {dtype}: median of {repeats} runs ==")
+    rows = layer_costs(width, batch, args.num_terms, args.low_rank, device, dtype, warmup, repeats)
+    for row in rows:
+        print(
+            f"{row['layer']:>24}: forward {row['forward_ms']:.3f} ms, forward+backward {row['train_step_ms']:.3f} ms, "
+            f"stored params {row['stored_params']:,}"
+            + ("" if row["peak_memory_mb"] is None else f", peak forward+backward memory {row['peak_memory_mb']:.2f} MiB")
+        )
+    dense, sketched = rows
+    print(
+        f"speed-up over nn.Linear: forward {dense['forward_ms'] / sketched['forward_ms']:.2f}x, "
+        f"forward+backward {dense['train_step_ms'] / sketched['train_step_ms']:.2f}x "
+        f"(FLOP ratio {width / (4 * args.num_terms * args.low_rank):.1f}x)"
+    )
+
+    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, losses in results.items():
+        ax_loss.plot(range(1, len(losses) + 1), losses, marker="o", label=name)
+    ax_loss.set(xlabel="epoch", ylabel="training loss", title="digits MLP")
+    ax_loss.legend()
+    labels = [row["layer"] for row in rows]
+    positions = torch.arange(len(rows)).float()
+    ax_time.bar(positions - 0.2, [row["forward_ms"] for row in rows], 0.4, label="forward")
+    ax_time.bar(positions + 0.2, [row["train_step_ms"] for row in rows], 0.4, label="forward+backward")
+    ax_time.set_xticks(positions.tolist(), labels)
+    ax_time.set(ylabel="median ms", title=f"{width}x{width} layer, batch {batch}")
+    ax_time.legend()
+    fig.tight_layout()
+    path = args.output_dir / "replace_dense_layers.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"\nplot saved to {path}")
+
+
+if __name__ == "__main__":
+    main()
