@@ -47,13 +47,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` reports."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def device_name(device: torch.device) -> str:
     """A file-name-safe name of the machine's accelerator or CPU."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = platform.processor() or platform.machine() or "cpu"
-        name = f"cpu-{name}-{torch.get_num_threads()}threads"
+        name = f"cpu-{cpu_model()}-{torch.get_num_threads()}threads"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-").lower()
 
 
@@ -143,7 +152,7 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
             for index, (kernel, group) in enumerate(panel.groupby("kernel")):
                 color = f"C{index}"
                 ax.plot(group["image"], group["speedup"], "o-", color=color, label=f"{kernel}×{kernel} measured")
-                ax.plot(group["image"], group["flop_ratio"], "--", color=color, alpha=0.6, label=f"{kernel}×{kernel} FLOPs")
+                ax.plot(group["image"], group["flop_ratio"], "x--", color=color, alpha=0.6, label=f"{kernel}×{kernel} FLOPs")
             ax.axhline(1.0, color="gray", linewidth=0.8)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{mode}, {'channels_last' if channels_last else 'NCHW'}")

@@ -1,5 +1,5 @@
 """panther_lite: low-rank sketched layers for PyTorch."""
-from . import nn, sketch
+from . import benchmark, nn, sketch
 from .nn import SKConv2d, SKLinear
 from .convert import apply_conversion_config, conversion_config, conversion_summary, convert, densify
 
@@ -13,6 +13,7 @@ __all__ = [
     "conversion_summary",
     "conversion_config",
     "apply_conversion_config",
+    "benchmark",
     "nn",
     "sketch",
     "__version__",

@@ -1,7 +1,8 @@
 """Tensor-core-aligned rank selection and the parameter accounting of sketched layers.
 
-Both layers store ``2·L·k·(fan_in + fan_out)`` factor entries (half trainable, half fixed
-sketch buffers) plus the bias, where ``fan_in`` is ``in_features`` (SKLinear) or
+Both layers store ``2·L·k·(fan_in + fan_out)`` factor entries plus the bias (for SKLinear
+half of the factors are trainable and half fixed sketch buffers; for SKConv2d the input-side
+``2Lk·fan_in`` are trainable, see ``conv_sketch_size``), where ``fan_in`` is ``in_features`` (SKLinear) or
 ``C_in·kh·kw`` (SKConv2d) and ``fan_out`` is ``out_features`` / ``C_out``. The dense layer
 stores ``fan_in·fan_out`` plus the bias. Cost depends on ``L·k`` only, so a budget fixes
 ``L·k`` and ``num_terms`` only decides how it is split.
