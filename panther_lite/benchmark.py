@@ -888,24 +888,20 @@ _HEATMAPS = (
 )
 
 
-def _pyplot():
-    """matplotlib.pyplot on the non-interactive Agg backend (no display needed)."""
-    import matplotlib
+def _figure(**kwargs):
+    """A matplotlib Figure that is never registered with pyplot, so plotting neither
+    needs a display nor changes the caller's backend."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(**kwargs)
 
 
 def _save(fig, path: Union[str, Path]) -> Path:
-    """Save ``fig`` as a PNG at ``path`` (creating its folder), close it, return the path."""
-    plt = _pyplot()
+    """Save ``fig`` as a PNG at ``path`` (creating its folder), return the path."""
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
@@ -928,12 +924,12 @@ def plot_heatmaps(df: pd.DataFrame, path: Union[str, Path]) -> Path:
     """Heatmaps over the ``num_terms × low_rank`` grid of every metric the sweep has
     (speed-ups, memory ratio, errors per init, anchor speed-up, roofline fraction, task
     accuracy); saves a PNG at ``path`` and returns it."""
-    plt = _pyplot()
     sketched = _sketched(df)
     panels = [p for p in _HEATMAPS if p[0] in sketched and sketched[p[0]].notna().any()]
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.8 * nrows), squeeze=False)
+    fig = _figure(figsize=(4.6 * ncols, 3.8 * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False)
     for ax, (column, label, cmap) in zip(axes.flat, panels):
         grid = sketched.pivot_table(index="num_terms", columns="low_rank", values=column, aggfunc="mean")
         image = ax.imshow(grid.to_numpy(dtype=float), cmap=cmap, aspect="auto", origin="lower")
@@ -956,10 +952,10 @@ def plot_tradeoff(df: pd.DataFrame, path: Union[str, Path]) -> Path:
     """Relative output error against forward time, one series per init, with each
     init's Pareto front drawn and marked and the dense layer's time as a line; saves a
     PNG at ``path`` and returns it."""
-    plt = _pyplot()
     sketched = _sketched(df)
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for init, colour in zip(INITS, ("tab:orange", "tab:blue")):
+    fig = _figure(figsize=(7.5, 5))
+    ax = fig.subplots()
+    for init, colour, label_offset in zip(INITS, ("tab:orange", "tab:blue"), ((5, 6), (5, -12))):
         column = f"error_{init}"
         points = sketched[["forward_ms", column, "num_terms", "low_rank"]].dropna()
         if points.empty:
@@ -968,9 +964,14 @@ def plot_tradeoff(df: pd.DataFrame, path: Union[str, Path]) -> Path:
         front = points[pareto_front(points["forward_ms"], points[column])].sort_values("forward_ms")
         ax.plot(front["forward_ms"], front[column], "-o", color=colour, markerfacecolor="none", markersize=11,
                 label=f"Pareto front, init='{init}'")
+        labelled = []
         for _, p in front.iterrows():
+            where = (math.log10(p["forward_ms"]), math.log10(max(p[column], 1e-30)))
+            if any(abs(where[0] - x) < 0.12 and abs(where[1] - y) < 0.2 for x, y in labelled):
+                continue  # a neighbour on the front already carries a label here
+            labelled.append(where)
             ax.annotate(f"L={int(p['num_terms'])},k={int(p['low_rank'])}", (p["forward_ms"], p[column]),
-                        textcoords="offset points", xytext=(5, 5), fontsize=7)
+                        textcoords="offset points", xytext=label_offset, fontsize=7)
     dense = df[df["method"] == "dense"]
     if not dense.empty:
         ax.axvline(float(dense["forward_ms"].iloc[0]), color="black", linestyle="--", label="dense forward time")
@@ -978,6 +979,9 @@ def plot_tradeoff(df: pd.DataFrame, path: Union[str, Path]) -> Path:
     ax.set_ylabel("relative output error vs dense")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    from matplotlib.ticker import NullFormatter
+
+    ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels collide on a short log axis
     ax.set_title(_title(df), fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
