@@ -1,8 +1,13 @@
 """SKConv2d against nn.Conv2d at the same dtype: forward and forward+backward, NCHW and channels_last.
 
 Grid (the anchor's): kernel 3/5/9 × image 64/128/256, every size configurable. Writes
-``benchmarks/results/<device>/skconv2d_<device name>.csv`` and ``.png`` with the median
-times, the speed-up ``dense_ms / sketched_ms`` and the FLOP ratio it is bounded by.
+``<output dir>/skconv2d_<dtype>.csv`` and ``.png`` (default output dir
+``benchmarks/results/<device>``, as ``benchmarks/sweep.py``) with the median times, the
+speed-up ``dense_ms / sketched_ms`` and the FLOP ratio it is bounded by. Forward rows
+also time the anchor's per-term formulation of the same layer
+(:func:`panther_lite.benchmark.anchor_conv2d`, ``2L`` convolutions whose outputs are
+stacked and averaged): ``anchor_ms`` and ``anchor_speedup = anchor_ms / sketched_ms``
+(empty for forward+backward: that formulation is a forward-only baseline).
 
     python benchmarks/bench_skconv2d.py                      # CPU, small default sizes
     python benchmarks/bench_skconv2d.py --device cuda --dtype bfloat16 --channels 256 --batch 16
@@ -11,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import platform
-import re
-import warnings
+import math
 from pathlib import Path
 
 import matplotlib
@@ -24,7 +27,7 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from panther_lite.benchmark import time_callable  # noqa: E402
+from panther_lite.benchmark import anchor_conv2d, device_name, ignore_size_warnings, time_callable  # noqa: E402
 from panther_lite.nn import SKConv2d  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -43,27 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--low-rank", type=int, default=4, help="k (the layer has rank 2Lk)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out-dir", type=Path, default=None, help="default: benchmarks/results/<device type>")
-    return parser.parse_args(argv)
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` reports."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def device_name(device: torch.device) -> str:
-    """A file-name-safe name of the machine's accelerator or CPU."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"cpu-{cpu_model()}-{torch.get_num_threads()}threads"
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-").lower()
+    parser.add_argument("--output-dir", type=Path, default=None, help="default: benchmarks/results/<device>")
+    args = parser.parse_args(argv)
+    args.output_dir = args.output_dir or RESULTS / torch.device(args.device).type
+    return args
 
 
 def conv_flops(batch: int, out_hw: int, fan_in: int, fan_out: int) -> int:
@@ -71,8 +57,9 @@ def conv_flops(batch: int, out_hw: int, fan_in: int, fan_out: int) -> int:
     return 2 * batch * out_hw * fan_in * fan_out
 
 
-def make_step(module: nn.Module, x: torch.Tensor, mode: str):
-    """A callable running one forward (no autograd graph) or one forward+backward."""
+def make_step(module, x: torch.Tensor, mode: str):
+    """A callable running one forward (no autograd graph) or one forward+backward of
+    ``module`` (an ``nn.Module``; for ``"forward"`` any callable of ``x``)."""
     if mode == "forward":
 
         def step():
@@ -96,54 +83,63 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
     dtype = getattr(torch, args.dtype)
     c, L, k = args.channels, args.num_terms, args.low_rank
     rows = []
-    for kernel, image, channels_last, mode in itertools.product(
-        args.kernels, args.images, (False, True), MODES
-    ):
+    for kernel, image, channels_last in itertools.product(args.kernels, args.images, (False, True)):
         memory_format = torch.channels_last if channels_last else torch.contiguous_format
         dense = nn.Conv2d(c, c, kernel, padding="same", device=device, dtype=dtype)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # large L·k on tiny convs store more than dense
+        with ignore_size_warnings():  # large L·k on tiny convs store more than dense
             sketched = SKConv2d.from_conv2d(dense, L, k, init="sketch", seed=0)
         dense.to(memory_format=memory_format)
         sketched.to(memory_format=memory_format)
+        anchor = anchor_conv2d(sketched)
         x = torch.randn(args.batch, c, image, image, device=device, dtype=dtype).to(memory_format=memory_format)
-        times = {
-            name: time_callable(make_step(module, x, mode), device=device, warmup=args.warmup, repeats=args.repeats)
-            for name, module in (("dense", dense), ("sketched", sketched))
-        }
         fan_in = c * kernel * kernel
         dense_flops = conv_flops(args.batch, image * image, fan_in, c)
         sketch_flops = conv_flops(args.batch, image * image, fan_in, 2 * L * k) + conv_flops(
             args.batch, image * image, 2 * L * k, c
         )
-        rows.append(
-            dict(
-                device=device_name(device),
-                dtype=args.dtype,
-                batch=args.batch,
-                channels=c,
-                kernel=kernel,
-                image=image,
-                channels_last=channels_last,
-                mode=mode,
-                num_terms=L,
-                low_rank=k,
-                dense_ms=times["dense"],
-                sketched_ms=times["sketched"],
-                speedup=times["dense"] / times["sketched"],
-                flop_ratio=dense_flops / sketch_flops,
+        for mode in MODES:
+            modules = {"dense": dense, "sketched": sketched, **({"anchor": anchor} if mode == "forward" else {})}
+            times = {
+                name: time_callable(make_step(module, x, mode), device=device, warmup=args.warmup, repeats=args.repeats)
+                for name, module in modules.items()
+            }
+            anchor_ms = times.get("anchor", math.nan)
+            rows.append(
+                dict(
+                    device=str(device),
+                    device_name=device_name(device),
+                    dtype=args.dtype,
+                    batch=args.batch,
+                    channels=c,
+                    kernel=kernel,
+                    image=image,
+                    channels_last=channels_last,
+                    mode=mode,
+                    num_terms=L,
+                    low_rank=k,
+                    dense_ms=times["dense"],
+                    sketched_ms=times["sketched"],
+                    speedup=times["dense"] / times["sketched"],
+                    flop_ratio=dense_flops / sketch_flops,
+                    anchor_ms=anchor_ms,
+                    anchor_speedup=anchor_ms / times["sketched"],
+                )
             )
-        )
-        print(
-            f"k={kernel} img={image} cl={channels_last!s:5} {mode:16} dense {times['dense']:9.3f} ms  "
-            f"sk {times['sketched']:9.3f} ms  speed-up {rows[-1]['speedup']:.2f}x (FLOPs {rows[-1]['flop_ratio']:.2f}x)",
-            flush=True,
-        )
+            anchor_text = "" if math.isnan(anchor_ms) else (
+                f"  anchor {anchor_ms:9.3f} ms  anchor/SK {rows[-1]['anchor_speedup']:.2f}x"
+            )
+            print(
+                f"k={kernel} img={image} cl={channels_last!s:5} {mode:16} dense {times['dense']:9.3f} ms  "
+                f"sk {times['sketched']:9.3f} ms  speed-up {rows[-1]['speedup']:.2f}x "
+                f"(FLOPs {rows[-1]['flop_ratio']:.2f}x){anchor_text}",
+                flush=True,
+            )
     return pd.DataFrame(rows)
 
 
 def plot(frame: pd.DataFrame, path: Path) -> None:
-    """Speed-up vs image size, one panel per (mode, memory format), one line per kernel."""
+    """Speed-up vs image size, one panel per (mode, memory format), one colour per kernel:
+    over nn.Conv2d (measured and FLOP bound) and, for the forward, over the anchor."""
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True, squeeze=False)
     for row, mode in enumerate(MODES):
         for col, channels_last in enumerate((False, True)):
@@ -153,15 +149,17 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
                 color = f"C{index}"
                 ax.plot(group["image"], group["speedup"], "o-", color=color, label=f"{kernel}×{kernel} measured")
                 ax.plot(group["image"], group["flop_ratio"], "x--", color=color, alpha=0.6, label=f"{kernel}×{kernel} FLOPs")
+                if group["anchor_speedup"].notna().any():
+                    ax.plot(group["image"], group["anchor_speedup"], "s:", color=color, label=f"{kernel}×{kernel} vs anchor")
             ax.axhline(1.0, color="gray", linewidth=0.8)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{mode}, {'channels_last' if channels_last else 'NCHW'}")
             ax.set_xlabel("image side")
-            ax.set_ylabel("nn.Conv2d time / SKConv2d time")
+            ax.set_ylabel("reference time / SKConv2d time")
             ax.legend(fontsize=7)
     first = frame.iloc[0]
     fig.suptitle(
-        f"SKConv2d vs nn.Conv2d on {first['device']} ({first['dtype']}, batch {first['batch']}, "
+        f"SKConv2d vs nn.Conv2d on {first['device_name']} ({first['dtype']}, batch {first['batch']}, "
         f"C={first['channels']}, L={first['num_terms']}, k={first['low_rank']})"
     )
     fig.tight_layout()
@@ -172,9 +170,8 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     frame = run(args)
-    out_dir = args.out_dir or RESULTS / torch.device(args.device).type
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"skconv2d_{frame['device'].iloc[0]}"
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.output_dir / f"skconv2d_{args.dtype}"
     frame.to_csv(stem.with_suffix(".csv"), index=False)
     plot(frame, stem.with_suffix(".png"))
     print(f"wrote {stem}.csv and {stem}.png")

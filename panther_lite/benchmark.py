@@ -677,7 +677,19 @@ def device_name(device: DeviceLike) -> str:
     device = _device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine() or 'cpu'} ({torch.get_num_threads()} threads)"
+    return f"{_cpu_model()} ({torch.get_num_threads()} threads)"
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else the architecture."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
 
 
 class _CsvRows:

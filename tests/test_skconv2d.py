@@ -1,8 +1,12 @@
 """SKConv2d against plain-PyTorch convolutions (nn.Conv2d / F.conv2d), plus its contract."""
 import copy
+import importlib.util
 import math
 import warnings
+from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
@@ -10,6 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from panther_lite.benchmark import anchor_conv2d
 from panther_lite.nn import SKConv2d
 from panther_lite.nn.skconv2d import conv_sketch_size
 
@@ -447,3 +452,35 @@ def test_cuda_autocast_and_compile(dtype):
     torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=1e-2)
     compiled.float().sum().backward()
     assert layer.S.grad.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ benchmark script
+
+
+def load_bench_skconv2d():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_skconv2d.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_benchmarked_anchor_computes_the_layer_with_same_padding_and_channels_last():
+    dense = nn.Conv2d(4, 4, 3, padding="same", dtype=torch.float64)
+    layer = SKConv2d.from_conv2d(dense, 2, 1, init="sketch", seed=0).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 4, 7, 7, dtype=torch.float64).to(memory_format=torch.channels_last)
+    torch.testing.assert_close(anchor_conv2d(layer)(x), layer(x), rtol=1e-12, atol=1e-12)
+
+
+def test_bench_skconv2d_writes_dense_and_anchor_ratios(tmp_path, capsys):
+    bench = load_bench_skconv2d()
+    bench.main(["--kernels", "3", "--images", "8", "--channels", "4", "--warmup", "0", "--repeats", "1",
+                "--output-dir", str(tmp_path)])
+    df = pd.read_csv(tmp_path / "skconv2d_float32.csv")
+    assert len(df) == 4 and set(df["mode"]) == set(bench.MODES)
+    np.testing.assert_allclose(df["speedup"], df["dense_ms"] / df["sketched_ms"])
+    forward = df[df["mode"] == "forward"]
+    np.testing.assert_allclose(forward["anchor_speedup"], forward["anchor_ms"] / forward["sketched_ms"])
+    assert df.loc[df["mode"] != "forward", ["anchor_ms", "anchor_speedup"]].isna().all().all()
+    assert (tmp_path / "skconv2d_float32.png").stat().st_size > 0
+    assert capsys.readouterr().out.count("anchor/SK") == 2

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn as nn
 
@@ -39,7 +38,8 @@ def load_tutorial(name: str):
 
 def test_replace_dense_layers_runs_and_saves_its_plot(tmp_path):
     out = run_tutorial("replace_dense_layers.py", tmp_path)
-    for expected in ("dense: test accuracy", "sketched: test accuracy", "nn.Linear: forward", "speed-up over nn.Linear"):
+    for expected in ("dense: test accuracy", "sketched: test accuracy", "nn.Linear: forward", "speed-up over nn.Linear",
+                     "training-forward memory"):
         assert expected in out
     assert (tmp_path / "replace_dense_layers.png").stat().st_size > 0
 
@@ -50,6 +50,7 @@ def test_performance_runs_every_section_and_saves_plot_and_trace(tmp_path):
         assert f"== {section}." in out
     assert "panther_lite::sketched_linear" in out  # the profiler sees the custom op
     assert "outputs equal" in out
+    assert "vs the anchor's per-term formulation" in out and "saved for backward" in out
     assert (tmp_path / "performance.png").stat().st_size > 0
     assert (tmp_path / "trace.json").stat().st_size > 0
 
@@ -67,28 +68,35 @@ def test_make_mlp_sketches_hidden_layers_only():
     assert all(isinstance(m, (nn.Linear, nn.ReLU)) for m in dense)
 
 
-def test_saved_bytes_counts_activations_not_parameters():
+def test_performance_memory_section_reports_the_library_measurements():
     tutorial = load_tutorial("performance.py")
-    x = torch.randn(6, 10, requires_grad=True)
-    dense = nn.Linear(10, 7)
-    assert tutorial.saved_bytes(lambda: dense(x), list(dense.parameters())) == x.numel() * 4
-    layer = SKLinear(10, 7, 1, 2, seed=0)
-    tensors = list(layer.parameters()) + list(layer.buffers())
-    # x and the batch × 2Lk hidden activation; the factors and sketches are not counted
-    assert tutorial.saved_bytes(lambda: layer(x), tensors) == (6 * 10 + 6 * 4) * 4
+    width, batch, num_terms, low_rank = 32, 6, 2, 3
+    rows, per_term = tutorial.section_memory(torch.device("cpu"), width, batch, num_terms, low_rank)
+    # nn.Linear saves its input for the weight gradient; SKLinear also the batch × 2Lk hidden activation
+    assert rows["nn.Linear"]["saved"] == batch * width * 4
+    assert rows["SKLinear"]["saved"] == (batch * width + batch * 2 * num_terms * low_rank) * 4
+    assert rows["nn.Linear"]["parameters"] == (width * width + width) * 4
+    stored = SKLinear(width, width, num_terms, low_rank).parameter_counts().stored
+    assert rows["SKLinear"]["parameters"] == stored * 4
+    for row in rows.values():  # on the CPU: parameters + saved activations
+        assert row["training"] == row["parameters"] + row["saved"]
+    assert per_term == num_terms * batch * width * 4
 
 
-def test_per_term_formulation_equals_the_layer():
+def test_performance_timing_section_times_with_the_library_and_the_anchor():
     tutorial = load_tutorial("performance.py")
-    layer = SKLinear(40, 33, num_terms=3, low_rank=2, dtype=torch.float64, seed=0)
-    x = torch.randn(5, 40, dtype=torch.float64)
-    torch.testing.assert_close(tutorial.per_term_forward(layer, x), layer(x), rtol=1e-12, atol=1e-12)
+    timings = tutorial.section_timing(torch.device("cpu"), 32, 4, 2, 2, warmup=0, repeats=2)
+    assert set(timings) == {"naive", "time_callable", "anchor (per-term)"}
+    assert all(value > 0 for value in timings.values())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_event_timing_measures_gpu_work():
-    tutorial = load_tutorial("performance.py")
-    a = torch.randn(2048, 2048, device="cuda")
-    small = tutorial.cuda_event_ms(lambda: a[:256, :256] @ a[:256, :256], warmup=2, repeats=5)
-    large = tutorial.cuda_event_ms(lambda: a @ a, warmup=2, repeats=5)
-    assert 0 < small < large
+def test_replace_dense_layers_reports_memory_on_the_cpu():
+    tutorial = load_tutorial("replace_dense_layers.py")
+    width, batch = 24, 5
+    dense, sketched = tutorial.layer_costs(width, batch, 1, 2, torch.device("cpu"), torch.float32, 0, 1)
+    assert dense["stored_params"] == width * width + width
+    assert dense["parameter_mib"] * 2**20 == dense["stored_params"] * 4
+    assert sketched["parameter_mib"] * 2**20 == sketched["stored_params"] * 4
+    # training forward on the CPU = parameters + saved activations (x; and x plus batch × 2Lk)
+    assert dense["training_memory_mib"] * 2**20 == (dense["stored_params"] + batch * width) * 4
+    assert sketched["training_memory_mib"] * 2**20 == (sketched["stored_params"] + batch * width + batch * 2 * 2) * 4

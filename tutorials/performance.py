@@ -4,11 +4,17 @@ precision, profiling and compiling.
 Sections (each prints what it measured; plots go to ``--output-dir``):
 
 1. Timing done right: the naive wall-clock way (no warm-up, no synchronisation — on a GPU
-   it measures kernel *launches*, not kernels) against CUDA events / a synchronised
-   median (:func:`panther_lite.benchmark.time_callable`).
-2. Memory: parameters trainable vs stored, the bytes autograd saves for backward — for
-   ``nn.Linear``, ``SKLinear`` and the per-term formulation of the Panther library
-   (``L × batch × out`` temporaries) — and, on CUDA, the peak allocated memory.
+   it measures kernel *launches*, not kernels) against
+   :func:`panther_lite.benchmark.time_callable` (warm-up, then the median of repeats,
+   each bracketed by CUDA events on a GPU), used for every number that follows; then
+   ``SKLinear`` against the anchor's (Panther's) per-term formulation
+   (:func:`~panther_lite.benchmark.anchor_linear`).
+2. Memory, with :mod:`panther_lite.benchmark`'s helpers: parameters trainable vs stored
+   and their bytes (:func:`~panther_lite.benchmark.parameter_bytes`), the activations
+   autograd saves for backward (:func:`~panther_lite.benchmark.saved_activation_bytes`),
+   the training-forward footprint (:func:`~panther_lite.benchmark.training_memory_bytes`:
+   the allocator's peak on CUDA, parameters + saved activations on the CPU), and the
+   ``L × batch × out`` per-term outputs the anchor's formulation materialises.
 3. Tensor-core alignment: :func:`~panther_lite.nn.tensor_core_multiple`,
    :func:`~panther_lite.nn.align_rank`, :func:`~panther_lite.nn.select_config`, and the
    time of an aligned against an unaligned rank.
@@ -34,7 +40,13 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from panther_lite.benchmark import time_callable  # noqa: E402
+from panther_lite.benchmark import (  # noqa: E402
+    anchor_linear,
+    parameter_bytes,
+    saved_activation_bytes,
+    time_callable,
+    training_memory_bytes,
+)
 from panther_lite.nn import SKLinear, align_rank, select_config, tensor_core_multiple  # noqa: E402
 
 
@@ -46,50 +58,10 @@ def naive_ms(fn, repeats):
     return (time.perf_counter() - start) * 1e3 / repeats
 
 
-def cuda_event_ms(fn, warmup, repeats):
-    """Median over ``repeats`` of GPU time between two CUDA events around ``fn``."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def per_term_forward(layer: SKLinear, x):
-    """The Panther library's formulation: every term's output is materialised
-    (``L × batch × out``) and then averaged. Same function as ``layer(x)``."""
-    xs = x.unsqueeze(0).expand(layer.num_terms, *x.shape)
-    first = torch.bmm(torch.bmm(xs, layer.S1s), layer.U1s)
-    second = torch.bmm(torch.bmm(xs, layer.U2s), layer.S2s)
-    return (first + second).mean(0) / 2 + layer.bias
-
-
-def saved_bytes(fn, exclude):
-    """Bytes autograd saves for backward while running ``fn()`` (tensors in ``exclude``,
-    i.e. parameters and buffers, not counted)."""
-    skip = {t.data_ptr() for t in exclude}
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        if t.data_ptr() not in skip:
-            total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total
-
-
-def section_timing(device, width, batch, warmup, repeats):
+def section_timing(device, width, batch, num_terms, low_rank, warmup, repeats):
     print("== 1. Timing done right ==")
-    layer = SKLinear(width, width, num_terms=1, low_rank=width // 32, device=device, seed=0)
+    layer = SKLinear(width, width, num_terms, low_rank, device=device, seed=0)
+    anchor = anchor_linear(layer)
     x = torch.randn(batch, width, device=device)
 
     @torch.no_grad()
@@ -98,16 +70,26 @@ def section_timing(device, width, batch, warmup, repeats):
 
     naive = naive_ms(forward, repeats)
     proper = time_callable(forward, device=device, warmup=warmup, repeats=repeats)
+    how = "CUDA events around each call, synchronised" if device.type == "cuda" else "perf_counter around each call"
     print(f"naive wall clock (first calls included, no sync): {naive:.3f} ms")
-    print(f"time_callable (warm-up, synchronised median):      {proper:.3f} ms")
-    timings = {"naive": naive, "time_callable": proper}
+    print(f"time_callable (warm-up, median; {how}): {proper:.3f} ms")
     if device.type == "cuda":
-        timings["CUDA events"] = cuda_event_ms(forward, warmup, repeats)
-        print(f"CUDA events (GPU time only):                       {timings['CUDA events']:.3f} ms")
-    return timings
+        print("on a GPU the naive number is the time to *launch* the kernels; CUDA events time the kernels")
+    with torch.no_grad():
+        anchor_ms = time_callable(lambda: anchor(x), device=device, warmup=warmup, repeats=repeats)
+    print(
+        f"SKLinear(L={num_terms}, k={low_rank}) {proper:.3f} ms vs the anchor's per-term formulation "
+        f"{anchor_ms:.3f} ms: {anchor_ms / proper:.2f}x"
+    )
+    return {"naive": naive, "time_callable": proper, "anchor (per-term)": anchor_ms}
 
 
 def section_memory(device, width, batch, num_terms, low_rank):
+    """Bytes of ``nn.Linear`` and ``SKLinear`` (``width × width``, input ``batch × width``).
+
+    Returns ``(rows, per_term)``: ``rows[name]`` holds ``"parameters"``, ``"saved"`` and
+    ``"training"`` bytes for ``"nn.Linear"`` and ``"SKLinear"``; ``per_term`` is the bytes
+    of the anchor formulation's ``L × batch × out`` per-term outputs."""
     print("\n== 2. Memory ==")
     x = torch.randn(batch, width, device=device, requires_grad=True)
     dense = nn.Linear(width, width, device=device)
@@ -115,24 +97,28 @@ def section_memory(device, width, batch, num_terms, low_rank):
     counts = layer.parameter_counts()
     print(f"nn.Linear stores {sum(p.numel() for p in dense.parameters()):,} parameters")
     print(f"SKLinear(L={num_terms}, k={low_rank}): {counts.trainable:,} trainable, {counts.stored:,} stored (U buffers)")
-    tensors = list(layer.parameters()) + list(layer.buffers())
-    rows = {
-        "nn.Linear": saved_bytes(lambda: dense(x), list(dense.parameters())),
-        "SKLinear": saved_bytes(lambda: layer(x), tensors),
-        "per-term (Panther)": saved_bytes(lambda: per_term_forward(layer, x), tensors),
-    }
-    for name, size in rows.items():
-        print(f"saved for backward, {name:>18}: {size / 2**20:8.3f} MiB")
-    torch.testing.assert_close(per_term_forward(layer, x), layer(x), rtol=1e-4, atol=1e-5)
-    if device.type == "cuda":
-        for name, fn in (("nn.Linear", lambda: dense(x)), ("SKLinear", lambda: layer(x))):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            fn().sum().backward()
-            torch.cuda.synchronize()
-            print(f"peak extra CUDA memory, forward+backward, {name}: {(torch.cuda.max_memory_allocated() - base) / 2**20:.2f} MiB")
-    return rows
+    rows = {}
+    for name, module in (("nn.Linear", dense), ("SKLinear", layer)):
+        tensors = list(module.parameters()) + list(module.buffers())
+        rows[name] = {
+            "parameters": parameter_bytes(module),
+            "saved": saved_activation_bytes(lambda module=module: module(x), tensors),
+            "training": training_memory_bytes(module, x),
+        }
+        print(
+            f"{name:>9}: parameters+buffers {rows[name]['parameters'] / 2**20:.3f} MiB, saved for backward "
+            f"{rows[name]['saved'] / 2**20:.3f} MiB, training forward {rows[name]['training'] / 2**20:.3f} MiB"
+        )
+    per_term = num_terms * batch * width * x.element_size()
+    print(
+        f"the anchor's formulation also materialises L × batch × out = {per_term / 2**20:.3f} MiB of per-term "
+        "outputs in every forward (transient: they raise the peak, not the saved bytes)"
+    )
+    print(
+        "training forward = "
+        + ("the CUDA allocator's peak + parameters" if device.type == "cuda" else "parameters + saved activations (CPU)")
+    )
+    return rows, per_term
 
 
 def section_tensor_cores(device, width, batch, warmup, repeats):
@@ -252,8 +238,9 @@ def main(argv=None):
     width, batch = (128, 32) if args.quick else (4096, 1024)
     warmup, repeats, steps = (1, 5, 3) if args.quick else (10, 50, 30)
 
-    timings = section_timing(device, width, batch, warmup, repeats)
-    memory = section_memory(device, width, batch, num_terms=4, low_rank=width // 32)
+    num_terms, low_rank = 4, width // 32
+    timings = section_timing(device, width, batch, num_terms, low_rank, warmup, repeats)
+    memory, per_term = section_memory(device, width, batch, num_terms, low_rank)
     ranks = section_tensor_cores(device, width, batch, warmup, repeats)
     curves = section_mixed_precision(device, width, batch, steps)
     section_profiling(device, width, batch, args.output_dir)
@@ -261,14 +248,16 @@ def main(argv=None):
 
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     panels = [
-        (axes[0], timings, "ms", "timing method"),
-        (axes[1], {k: v / 2**20 for k, v in memory.items()}, "MiB saved for backward", "memory"),
+        (axes[0], timings, "ms", "forward time: method, anchor"),
+        (axes[1], {**{k: v["training"] / 2**20 for k, v in memory.items()}, "anchor per-term\noutputs": per_term / 2**20},
+         "MiB", "memory (training forward)"),
         (axes[2], {f"k={k}": v for k, v in ranks.items()}, "ms", "rank alignment"),
     ]
     for ax, values, ylabel, title in panels:
         ax.bar(list(values), list(values.values()))
         ax.set(ylabel=ylabel, title=title)
         ax.tick_params(axis="x", labelrotation=15)
+    axes[0].set_yscale("log")  # the naive number can be orders of magnitude off
     for name, losses in curves.items():
         axes[3].plot(range(1, len(losses) + 1), losses, marker="o", label=name)
     axes[3].set(xlabel="step", ylabel="loss", title=f"mixed precision (compiled {compiled['compiled']:.2f} ms)")

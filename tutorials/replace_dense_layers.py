@@ -9,8 +9,10 @@ Workflow 1 of panther_lite. We
    sketch buffers are stored but never trained);
 3. measure one wide layer's forward and forward+backward time (median of repeated,
    synchronised runs via :func:`panther_lite.benchmark.time_callable`), its stored
-   parameters and, on CUDA, its peak training memory, against ``nn.Linear`` at the same
-   dtype in the same run.
+   parameters and their bytes (:func:`panther_lite.benchmark.parameter_bytes`) and its
+   training-forward memory (:func:`panther_lite.benchmark.training_memory_bytes`: the
+   allocator's peak on CUDA, parameters + activations saved for backward on the CPU),
+   against ``nn.Linear`` at the same dtype in the same run.
 
 Run ``python tutorials/replace_dense_layers.py --help`` for options; ``--quick`` uses
 tiny sizes (seconds on a laptop CPU). Plots are written to ``--output-dir``.
@@ -29,7 +31,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
-from panther_lite.benchmark import time_callable  # noqa: E402
+from panther_lite.benchmark import parameter_bytes, time_callable, training_memory_bytes  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
 
 
@@ -95,21 +97,9 @@ def train(model, train_set, test_set, epochs, batch_size, lr, seed):
     return losses, accuracy
 
 
-def peak_training_memory_mb(step, device):
-    """Peak CUDA memory (MiB) allocated by ``step()`` beyond what was allocated before;
-    None on other devices (use ``tutorials/performance.py`` for a CPU-side analysis)."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-
-
 def layer_costs(width, batch, num_terms, low_rank, device, dtype, warmup, repeats):
-    """Time (ms) and memory of one ``width × width`` layer, dense vs sketched."""
+    """Time (ms), stored parameters and memory (MiB) of one ``width × width`` layer on a
+    ``batch × width`` input, dense vs sketched: one dict per layer."""
     x = torch.randn(batch, width, device=device, dtype=dtype, requires_grad=True)
     rows = []
     for name, layer in (
@@ -130,7 +120,8 @@ def layer_costs(width, batch, num_terms, low_rank, device, dtype, warmup, repeat
                 forward_ms=forward_ms,
                 train_step_ms=time_callable(step, device=device, warmup=warmup, repeats=repeats),
                 stored_params=parameter_counts(layer)[1],
-                peak_memory_mb=peak_training_memory_mb(step, device),
+                parameter_mib=parameter_bytes(layer) / 2**20,
+                training_memory_mib=training_memory_bytes(layer, x) / 2**20,
             )
         )
     return rows
@@ -179,17 +170,18 @@ def main(argv=None):
     for row in rows:
         print(
             f"{row['layer']:>24}: forward {row['forward_ms']:.3f} ms, forward+backward {row['train_step_ms']:.3f} ms, "
-            f"stored params {row['stored_params']:,}"
-            + ("" if row["peak_memory_mb"] is None else f", peak forward+backward memory {row['peak_memory_mb']:.2f} MiB")
+            f"stored params {row['stored_params']:,} ({row['parameter_mib']:.3f} MiB), "
+            f"training-forward memory {row['training_memory_mib']:.3f} MiB"
         )
     dense, sketched = rows
     print(
         f"speed-up over nn.Linear: forward {dense['forward_ms'] / sketched['forward_ms']:.2f}x, "
         f"forward+backward {dense['train_step_ms'] / sketched['train_step_ms']:.2f}x "
-        f"(FLOP ratio {width / (4 * args.num_terms * args.low_rank):.1f}x)"
+        f"(FLOP ratio {width / (4 * args.num_terms * args.low_rank):.1f}x); "
+        f"training-forward memory dense/sketched {dense['training_memory_mib'] / sketched['training_memory_mib']:.2f}x"
     )
 
-    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_loss, ax_time, ax_memory) = plt.subplots(1, 3, figsize=(15, 4))
     for name, losses in results.items():
         ax_loss.plot(range(1, len(losses) + 1), losses, marker="o", label=name)
     ax_loss.set(xlabel="epoch", ylabel="training loss", title="digits MLP")
@@ -201,6 +193,11 @@ def main(argv=None):
     ax_time.set_xticks(positions.tolist(), labels)
     ax_time.set(ylabel="median ms", title=f"{width}x{width} layer, batch {batch}")
     ax_time.legend()
+    ax_memory.bar(positions - 0.2, [row["parameter_mib"] for row in rows], 0.4, label="parameters + buffers")
+    ax_memory.bar(positions + 0.2, [row["training_memory_mib"] for row in rows], 0.4, label="training forward")
+    ax_memory.set_xticks(positions.tolist(), labels)
+    ax_memory.set(ylabel="MiB", title="memory")
+    ax_memory.legend()
     fig.tight_layout()
     path = args.output_dir / "replace_dense_layers.png"
     fig.savefig(path, dpi=100)

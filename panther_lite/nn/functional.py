@@ -54,12 +54,15 @@ def _setup_context(ctx, inputs, output):
     _, hidden = output
     ctx.scale = scale
     ctx.has_bias = bias is not None
+    ctx.set_materialize_grads(False)  # the hidden output is internal: no zero-filled gradient for it
     ctx.save_for_backward(x, hidden, S1, U1, U2, S2)
 
 
 def _backward(ctx, grad_out: Tensor, grad_hidden: Optional[Tensor]):
     x, hidden, S1, U1, U2, S2 = ctx.saved_tensors
     rank = S1.shape[1]
+    if grad_out is None:
+        grad_out = torch.zeros(x.shape[0], U1.shape[1], dtype=x.dtype, device=x.device)
     g = grad_out * ctx.scale
     need_x, need_S1, need_S2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4]
     grad_x = grad_S1 = grad_S2 = grad_bias = None
