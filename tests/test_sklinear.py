@@ -113,7 +113,7 @@ def test_backward_saves_only_input_and_hidden_activation():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x)
     activations = {t.data_ptr(): t.numel() for t in saved if t.data_ptr() not in param_ptrs}
-    assert sum(activations.values()) <= batch * in_f + batch * 2 * L * k
+    assert sum(activations.values()) <= batch * in_f + batch * L * k
 
 
 @settings(max_examples=25, deadline=None)
@@ -201,14 +201,34 @@ def test_seed_reproduces_sketches():
     torch.testing.assert_close(a.U2.abs(), torch.full_like(a.U2, 1 / math.sqrt(2)))
 
 
-def test_default_init_is_linear_kaiming_with_fan_in_in_features():
-    in_f, out_f = 256, 8
-    layer = SKLinear(in_f, out_f, 2, 2, init="svd", seed=0)  # 2Lk = 8 = out: exact
-    weight = layer.effective_weight()
-    bound = 1 / math.sqrt(in_f)
-    assert weight.abs().max() <= bound * (1 + 1e-5)
-    assert weight.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.1)
-    assert layer.bias.abs().max() <= bound
+@pytest.mark.parametrize("init", ["sketch", "svd"])
+@pytest.mark.parametrize("in_f,out_f,L,k", [(256, 8, 2, 2), (64, 512, 1, 4), (300, 300, 2, 16)])
+def test_default_init_has_linear_scale_with_fan_in_in_features(init, in_f, out_f, L, k):
+    layer = SKLinear(in_f, out_f, L, k, init=init, seed=0)
+    rms = layer.effective_weight().pow(2).mean().sqrt().item()
+    assert rms == pytest.approx(1 / math.sqrt(3 * in_f), rel=1e-5)  # nn.Linear's U(±1/√in_features)
+    assert layer.bias.abs().max() <= 1 / math.sqrt(in_f)
+
+
+def test_default_init_keeps_activations_at_dense_scale_through_depth():
+    torch.manual_seed(0)
+    width, depth = 512, 6
+
+    def stack(make):
+        return nn.Sequential(*[m for _ in range(depth) for m in (make(), nn.ReLU())])
+
+    x = torch.randn(64, width)
+    dense_std = stack(lambda: nn.Linear(width, width))(x).std().item()
+    sketched_std = stack(lambda: SKLinear(width, width, 1, 16))(x).std().item()
+    assert 0.5 < sketched_std / dense_std < 2
+
+
+def test_seed_reproduces_the_whole_default_layer():
+    a = SKLinear(40, 48, 2, 2, seed=3)
+    torch.manual_seed(123)  # the global RNG must not matter
+    b = SKLinear(40, 48, 2, 2, seed=3)
+    for name, tensor in a.state_dict().items():
+        assert torch.equal(tensor, b.state_dict()[name]), name
 
 
 def test_effective_weight_and_to_dense_compute_the_same_function():
@@ -378,3 +398,44 @@ def test_torch_export_keeps_the_custom_op():
     exported = torch.export.export(layer, (x,))
     assert "panther_lite.sketched_linear" in str(exported.graph)
     torch.testing.assert_close(exported.module()(x), layer(x), rtol=0, atol=0)
+
+
+def test_fixed_sketches_follow_parameter_dtype():
+    # FSDP2's MixedPrecisionPolicy(param_dtype=bf16) casts parameters and inputs, not buffers.
+    layer = make_layer(32, 24, 2, 4)
+    want = reference_forward(layer, x := torch.randn(5, 32, dtype=torch.float64))
+    for name in ("S1", "S2", "bias"):
+        setattr(layer, name, nn.Parameter(getattr(layer, name).detach().to(torch.bfloat16)))
+    got = layer(x.to(torch.bfloat16))
+    assert got.dtype == torch.bfloat16 and layer.U1.dtype == torch.float64
+    torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+
+
+def test_autocast_leaves_float64_alone():
+    layer = make_layer(16, 12, 1, 3)
+    x = torch.randn(4, 16, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, reference_forward(layer, x), rtol=1e-12, atol=1e-12)
+
+
+def test_mismatched_dtype_and_trainable_sketch_raise_clearly():
+    layer = make_layer(16, 12, 1, 3, dtype=torch.float32)
+    with pytest.raises(TypeError, match="S1 has dtype torch.float32 but the input has torch.float64"):
+        layer(torch.randn(2, 16, dtype=torch.float64))
+    layer.U1.requires_grad_()
+    with pytest.raises(ValueError, match="fixed sketches"):
+        layer(torch.randn(2, 16))
+
+
+def test_from_linear_with_gram_runs_one_decomposition(monkeypatch):
+    import panther_lite.nn.sklinear as sklinear_module
+
+    calls = []
+    real = sklinear_module.sketch_factors_from_weight
+    monkeypatch.setattr(sklinear_module, "sketch_factors_from_weight", lambda *a: calls.append(1) or real(*a))
+    linear = nn.Linear(20, 16, dtype=torch.float64)
+    SKLinear.from_linear(linear, 1, 4)
+    SKLinear.from_linear(linear, 1, 4, gram=torch.eye(20, dtype=torch.float64))
+    assert len(calls) == 2

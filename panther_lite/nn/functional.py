@@ -2,11 +2,12 @@
 
 It is a ``torch.library`` custom op with its own backward, so that
 
-* the forward is two GEMMs of width ``2·L·k`` (``x·[S1 | U2]`` then ``·[U1; S2]``),
-  never a per-term ``L × batch × out`` temporary;
-* backward saves only ``x`` and the ``batch × 2Lk`` hidden activation, and skips the
-  gradients of the fixed ``U`` buffers (autograd on the plain GEMM chain would compute
-  them and throw half of them away);
+* the forward is four GEMMs of width ``L·k`` — ``x·S1``, ``x·U2``, then both products
+  accumulated into one output — never a per-term ``L × batch × out`` temporary and no
+  per-call copy of the factors;
+* backward saves only ``x`` and the ``batch × Lk`` activation ``x·U2`` (``S2``'s gradient
+  needs it) and skips the gradients of the fixed ``U`` buffers (autograd on the plain GEMM
+  chain would also save ``x·S1`` and compute ``U1``'s gradient);
 * ``torch.compile(fullgraph=True)`` sees one opaque op (no graph break), and
   ``torch.export`` keeps it.
 
@@ -24,60 +25,50 @@ from torch import Tensor
 __all__ = ["sketched_linear"]
 
 
-def _stacked(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor) -> Tuple[Tensor, Tensor]:
-    """``[S1 | U2]`` (in × 2Lk) and ``[U1; S2]`` (2Lk × out)."""
-    return torch.cat((S1, U2), dim=1), torch.cat((U1, S2), dim=0)
-
-
 @torch.library.custom_op("panther_lite::sketched_linear", mutates_args=())
 def _sketched_linear_op(
     x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float
 ) -> Tuple[Tensor, Tensor]:
-    left, right = _stacked(S1, U1, U2, S2)
-    hidden = x @ left
+    x_U2 = x @ U2
     if bias is None:
-        out = torch.mm(hidden, right).mul_(scale)
+        out = torch.mm(x @ S1, U1).mul_(scale)
     else:
-        out = torch.addmm(bias, hidden, right, alpha=scale)
-    return out, hidden
+        out = torch.addmm(bias, x @ S1, U1, alpha=scale)
+    out.addmm_(x_U2, S2, alpha=scale)
+    return out, x_U2
 
 
 @_sketched_linear_op.register_fake
 def _(x, S1, U1, U2, S2, bias, scale):
-    out = x.new_empty(x.shape[0], U1.shape[1])
-    hidden = x.new_empty(x.shape[0], 2 * S1.shape[1])
-    return out, hidden
+    return x.new_empty(x.shape[0], U1.shape[1]), x.new_empty(x.shape[0], U2.shape[1])
 
 
 def _setup_context(ctx, inputs, output):
     x, S1, U1, U2, S2, bias, scale = inputs
-    _, hidden = output
+    _, x_U2 = output
     ctx.scale = scale
     ctx.has_bias = bias is not None
-    ctx.set_materialize_grads(False)  # the hidden output is internal: no zero-filled gradient for it
-    ctx.save_for_backward(x, hidden, S1, U1, U2, S2)
+    ctx.set_materialize_grads(False)  # x·U2 is internal: no zero-filled gradient for it
+    ctx.save_for_backward(x, x_U2, S1, U1, U2, S2)
 
 
-def _backward(ctx, grad_out: Tensor, grad_hidden: Optional[Tensor]):
-    x, hidden, S1, U1, U2, S2 = ctx.saved_tensors
-    rank = S1.shape[1]
-    if grad_out is None:
-        grad_out = torch.zeros(x.shape[0], U1.shape[1], dtype=x.dtype, device=x.device)
-    g = grad_out * ctx.scale
+def _backward(ctx, grad_out: Optional[Tensor], grad_x_U2: Optional[Tensor]):
+    x, x_U2, S1, U1, U2, S2 = ctx.saved_tensors
     need_x, need_S1, need_S2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4]
     grad_x = grad_S1 = grad_S2 = grad_bias = None
-    if need_x or need_S1:
-        left, right = _stacked(S1, U1, U2, S2)
-        grad_hidden_total = g @ right.t()
-        if grad_hidden is not None:
-            grad_hidden_total = grad_hidden_total + grad_hidden
-        if need_x:
-            grad_x = grad_hidden_total @ left.t()
+    g = None if grad_out is None else grad_out * ctx.scale
+    if g is not None and (need_x or need_S1):
+        grad_x_S1 = g @ U1.t()
         if need_S1:
-            grad_S1 = x.t() @ grad_hidden_total[:, :rank]
-    if need_S2:
-        grad_S2 = hidden[:, rank:].t() @ g
-    if ctx.has_bias and ctx.needs_input_grad[5]:
+            grad_S1 = x.t() @ grad_x_S1
+        if need_x:
+            grad_x = grad_x_S1 @ S1.t()
+            grad_x.addmm_(g @ S2.t(), U2.t())
+    if need_x and grad_x_U2 is not None:
+        grad_x = grad_x_U2 @ U2.t() if grad_x is None else grad_x.addmm_(grad_x_U2, U2.t())
+    if g is not None and need_S2:
+        grad_S2 = x_U2.t() @ g
+    if g is not None and ctx.has_bias and ctx.needs_input_grad[5]:
         grad_bias = grad_out.sum(0)
     return grad_x, grad_S1, None, None, grad_S2, grad_bias, None
 
@@ -89,6 +80,25 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
+
+
+def _autocast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """Autocast's rule: floating tensors other than float64 run in the autocast dtype."""
+    return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+
+
+def _check_operands(x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor]) -> None:
+    if U1.requires_grad or U2.requires_grad:
+        raise ValueError("U1 and U2 are fixed sketches and get no gradient; train S1 and S2 instead")
+    named = [("input", x), ("S1", S1), ("U1", U1), ("U2", U2), ("S2", S2)] + ([("bias", bias)] if bias is not None else [])
+    for name, t in named[1:]:
+        if t.dtype != x.dtype:
+            raise TypeError(
+                f"sketched_linear: {name} has dtype {t.dtype} but the input has {x.dtype}; "
+                "cast one of them or run under torch.autocast"
+            )
+        if t.device != x.device:
+            raise ValueError(f"sketched_linear: {name} is on {t.device} but the input is on {x.device}")
 
 
 def sketched_linear(
@@ -105,13 +115,17 @@ def sketched_linear(
         bias: ``(out,)`` or None.
         scale: ``1 / (2L)``.
 
-    Under autocast the floating inputs are cast to the autocast dtype (as ``F.linear``
-    is); otherwise all tensors must share one dtype.
+    The fixed sketches follow the trainable factors' dtype (so parameter-only casts such
+    as FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` work). Under autocast the
+    floating inputs except float64 are cast to the autocast dtype, as for ``F.linear``;
+    otherwise the input must have the parameters' dtype (TypeError) and device.
     """
+    U1, U2 = U1.to(S1.dtype), U2.to(S1.dtype)
     cast_dtype = _autocast_dtype(x.device.type)
     if cast_dtype is not None:
-        x, S1, U1, U2, S2 = (t.to(cast_dtype) for t in (x, S1, U1, U2, S2))
-        bias = None if bias is None else bias.to(cast_dtype)
+        x, S1, U1, U2, S2 = (_autocast(t, cast_dtype) for t in (x, S1, U1, U2, S2))
+        bias = None if bias is None else _autocast(bias, cast_dtype)
+    _check_operands(x, S1, U1, U2, S2, bias)
     if x.dim() == 2:
         return _sketched_linear_op(x, S1, U1, U2, S2, bias, scale)[0]
     out, _ = _sketched_linear_op(x.reshape(-1, x.shape[-1]), S1, U1, U2, S2, bias, scale)

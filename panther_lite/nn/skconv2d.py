@@ -12,6 +12,7 @@ from torch.nn.modules.utils import _pair
 
 from ..sketch.dense import sign_matrix
 from ..sketch.random import resolve_generator
+from .default_init import draw_dense_default, fill_bias_default_, rescale_to_default_
 from .low_rank_fit import decomposition_dtype, output_subspace
 from .rank_selection import SketchSize, dense_size, sketch_size
 from .sklinear import check_sketch_args, warn_if_larger_than_dense
@@ -190,7 +191,7 @@ class SKConv2d(nn.Module):
         if layer is None:
             self.reset_parameters()
         else:
-            self.initialize_from_weight(layer.weight, init=init)
+            self._fit(layer.weight, init, None, resolve_generator(seed))
             if self.bias is not None:
                 with torch.no_grad():
                     self.bias.copy_(layer.bias)
@@ -219,17 +220,16 @@ class SKConv2d(nn.Module):
         """``C_in·kh·kw``, the width of the kernel's unfolding."""
         return self.in_channels * self.kernel_size[0] * self.kernel_size[1]
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Re-draw a dense kernel and bias with ``nn.Conv2d``'s init (bound 1/√fan_in) and
-        represent the kernel with ``self.init``."""
-        weight = torch.empty(
-            self.out_channels, self.in_channels, *self.kernel_size, dtype=torch.float32, device=self.S.device
-        )
-        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.fan_in)
-            nn.init.uniform_(self.bias, -bound, bound)
-        self.initialize_from_weight(weight, init=self.init)
+        """Draw a dense kernel and bias with ``nn.Conv2d``'s init (U(±1/√fan_in)), from
+        ``seed`` when set; represent the kernel with ``self.init``; then rescale ``S`` so the
+        effective kernel has the dense init's scale (see :mod:`panther_lite.nn.default_init`)."""
+        generator = resolve_generator(self.seed)
+        weight = draw_dense_default((self.out_channels, self.in_channels, *self.kernel_size), self.fan_in, generator)
+        fill_bias_default_(self.bias, self.fan_in, generator)
+        self._fit(weight, self.init, None, generator)
+        rescale_to_default_(self.effective_weight(), self.fan_in, (self.S,))
 
     @torch.no_grad()
     def initialize_from_weight(self, weight: Tensor, init: str = "svd", gram: Optional[Tensor] = None) -> None:
@@ -256,6 +256,10 @@ class SKConv2d(nn.Module):
                     f"gram must have shape (C_in·kh·kw, C_in·kh·kw) = ({self.fan_in}, {self.fan_in}), "
                     f"got {tuple(gram.shape)}"
                 )
+        self._fit(weight, init, gram, resolve_generator(self.seed))
+
+    @torch.no_grad()
+    def _fit(self, weight: Tensor, init: str, gram: Optional[Tensor], generator: Optional[torch.Generator]) -> None:
         work_dtype = decomposition_dtype(weight)
         kernel = weight.detach().to(device=self.S.device, dtype=work_dtype).reshape(self.out_channels, self.fan_in)
         rank = 2 * self.num_terms * self.low_rank
@@ -264,7 +268,6 @@ class SKConv2d(nn.Module):
             U = output_subspace(kernel, rank, g).t()
             S = (2 * self.num_terms) * (U @ kernel)
         else:
-            generator = resolve_generator(self.seed)
             # sign_matrix scales by 1/sqrt(rows) = 1/sqrt(2Lk); each term wants 1/sqrt(k).
             U = sign_matrix(rank, self.out_channels, generator=generator, dtype=work_dtype, device=kernel.device)
             U = U * math.sqrt(2 * self.num_terms)
@@ -274,8 +277,9 @@ class SKConv2d(nn.Module):
         self.init = init
 
     def _mix_weight(self) -> Tensor:
-        """``Uᵀ / (2L)`` as a 1×1 kernel ``(C_out, 2Lk, 1, 1)``."""
-        return (self.U.t() * self.scale).contiguous()[:, :, None, None]
+        """``Uᵀ / (2L)`` as a 1×1 kernel ``(C_out, 2Lk, 1, 1)`` in ``S``'s dtype (the fixed
+        sketch follows the parameters under parameter-only casts such as FSDP2's)."""
+        return (self.U.t().to(self.S.dtype) * self.scale).contiguous()[:, :, None, None]
 
     def forward(self, input: Tensor) -> Tensor:
         if input.dim() not in (3, 4) or input.shape[-3] != self.in_channels:
@@ -293,7 +297,7 @@ class SKConv2d(nn.Module):
     def effective_weight(self) -> Tensor:
         """The dense kernel ``(C_out, C_in, kh, kw)`` this layer applies:
         ``forward(x) == conv2d(x, W, b)`` with the layer's padding. Differentiable in ``S``."""
-        return (self.scale * (self.U.t() @ self.S.flatten(1))).view(
+        return (self.scale * (self.U.t().to(self.S.dtype) @ self.S.flatten(1))).view(
             self.out_channels, self.in_channels, *self.kernel_size
         )
 
@@ -353,7 +357,8 @@ class SKConv2d(nn.Module):
             dtype=conv.weight.dtype,
             device=conv.weight.device,
             padding_mode=conv.padding_mode,
-            init=init,
+            # with a gram the kernel is fitted below; a sketch (GEMMs only) is the cheap placeholder
+            init=init if gram is None else "sketch",
             seed=seed,
         )
         if gram is not None:

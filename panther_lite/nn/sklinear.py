@@ -13,6 +13,7 @@ from ..sketch.dense import sign_matrix
 from ..sketch.random import resolve_generator
 from .functional import sketched_linear
 from .low_rank_fit import decomposition_dtype, sketch_factors_from_weight
+from .default_init import draw_dense_default, fill_bias_default_, rescale_to_default_
 from .rank_selection import SketchSize, dense_size, sketch_size
 
 __all__ = ["SKLinear"]
@@ -121,26 +122,26 @@ class SKLinear(nn.Module):
         if W_init is None:
             self.reset_parameters()
         else:
-            self._reset_bias()
-            self.initialize_from_weight(W_init, init=init)
+            generator = resolve_generator(seed)
+            fill_bias_default_(self.bias, in_features, generator)
+            self._fit(W_init, init, None, generator)
 
     @property
     def scale(self) -> float:
         """``1 / (2L)``."""
         return 0.5 / self.num_terms
 
-    def _reset_bias(self) -> None:
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features)
-            nn.init.uniform_(self.bias, -bound, bound)
-
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Re-draw a dense weight with ``nn.Linear``'s init (fan_in = in_features) and
-        bias, and represent the weight with ``self.init``."""
-        weight = torch.empty(self.out_features, self.in_features, dtype=torch.float32, device=self.S1.device)
-        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-        self._reset_bias()
-        self.initialize_from_weight(weight, init=self.init)
+        """Draw a dense weight and bias with ``nn.Linear``'s init (U(±1/√in_features)),
+        from ``seed`` when set; represent the weight with ``self.init``; then rescale
+        ``S1``, ``S2`` so the effective weight has the dense init's scale (see
+        :mod:`panther_lite.nn.default_init`)."""
+        generator = resolve_generator(self.seed)
+        weight = draw_dense_default((self.out_features, self.in_features), self.in_features, generator)
+        fill_bias_default_(self.bias, self.in_features, generator)
+        self._fit(weight, self.init, None, generator)
+        rescale_to_default_(self.effective_weight(), self.in_features, (self.S1, self.S2))
 
     @torch.no_grad()
     def initialize_from_weight(self, weight: Tensor, init: str = "svd", gram: Optional[Tensor] = None) -> None:
@@ -159,6 +160,10 @@ class SKLinear(nn.Module):
             )
         if gram is not None and init != "svd":
             raise ValueError("a calibration gram is only used by init='svd'")
+        self._fit(weight, init, gram, resolve_generator(self.seed))
+
+    @torch.no_grad()
+    def _fit(self, weight: Tensor, init: str, gram: Optional[Tensor], generator: Optional[torch.Generator]) -> None:
         work_dtype = decomposition_dtype(weight)
         w = weight.detach().to(device=self.S1.device, dtype=work_dtype)
         if init == "svd":
@@ -166,7 +171,6 @@ class SKLinear(nn.Module):
             S1, U1, U2, S2 = sketch_factors_from_weight(w, self.num_terms, self.low_rank, g)
         else:
             rank = self.num_terms * self.low_rank
-            generator = resolve_generator(self.seed)
             kwargs = dict(generator=generator, dtype=work_dtype, device=w.device)
             # sign_matrix scales by 1/sqrt(rows) = 1/sqrt(L*k); each term wants 1/sqrt(k).
             to_per_term_scale = math.sqrt(self.num_terms)
@@ -189,7 +193,8 @@ class SKLinear(nn.Module):
     def effective_weight(self) -> Tensor:
         """The dense weight ``(out_features, in_features)`` this layer applies:
         ``forward(x) == x @ W.T + b``. Differentiable with respect to ``S1``, ``S2``."""
-        return (self.scale * (self.S1 @ self.U1 + self.U2 @ self.S2)).t()
+        dtype = self.S1.dtype
+        return (self.scale * (self.S1 @ self.U1.to(dtype) + self.U2.to(dtype) @ self.S2)).t()
 
     def to_dense(self) -> nn.Linear:
         """An ``nn.Linear`` (same dtype and device) computing the same function."""
@@ -220,18 +225,24 @@ class SKLinear(nn.Module):
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
+        check_sketch_args(num_terms, low_rank, init)
+        if gram is not None and init != "svd":
+            raise ValueError("a calibration gram is only used by init='svd'")
         layer = cls(
             linear.in_features,
             linear.out_features,
             num_terms,
             low_rank,
+            # with a gram the weight is fitted below; a sketch (GEMMs only) is the cheap placeholder
+            W_init=linear.weight,
             bias=linear.bias is not None,
             dtype=linear.weight.dtype,
             device=linear.weight.device,
-            init=init,
+            init=init if gram is None else "sketch",
             seed=seed,
         )
-        layer.initialize_from_weight(linear.weight, init=init, gram=gram)
+        if gram is not None:
+            layer.initialize_from_weight(linear.weight, init=init, gram=gram)
         if linear.bias is not None:
             with torch.no_grad():
                 layer.bias.copy_(linear.bias)
