@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -30,6 +31,9 @@ import torch.nn as nn  # noqa: E402
 from panther_lite.benchmark import anchor_conv2d, device_name, ignore_size_warnings, time_callable  # noqa: E402
 from panther_lite.nn import SKConv2d  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep import non_negative_int, positive_int  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("forward", "forward+backward")
 
@@ -38,14 +42,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--kernels", type=int, nargs="+", default=[3, 5, 9])
-    parser.add_argument("--images", type=int, nargs="+", default=[64, 128, 256], help="square image sides")
-    parser.add_argument("--channels", type=int, default=32, help="C_in = C_out")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--num-terms", type=int, default=1, help="L")
-    parser.add_argument("--low-rank", type=int, default=4, help="k (the layer has rank 2Lk)")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kernels", type=positive_int, nargs="+", default=[3, 5, 9])
+    parser.add_argument("--images", type=positive_int, nargs="+", default=[64, 128, 256], help="square image sides")
+    parser.add_argument("--channels", type=positive_int, default=32, help="C_in = C_out")
+    parser.add_argument("--batch", type=positive_int, default=1)
+    parser.add_argument("--num-terms", type=positive_int, default=1, help="L")
+    parser.add_argument("--low-rank", type=positive_int, default=4, help="k (the layer has rank 2Lk)")
+    parser.add_argument("--warmup", type=non_negative_int, default=1)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--output-dir", type=Path, default=None, help="default: benchmarks/results/<device>")
     args = parser.parse_args(argv)
     args.output_dir = args.output_dir or RESULTS / torch.device(args.device).type

@@ -190,6 +190,12 @@ def _unconvertible_reason(model: nn.Module, layer: _Layer, owners: Dict[int, Lis
         return "the root module cannot be replaced in place; wrap it in a container (e.g. nn.Sequential)"
     if layer.is_lazy:
         return "its parameters are not initialized yet (lazy module); run a forward pass first"
+    base = nn.Conv2d if isinstance(module, nn.Conv2d) else nn.Linear
+    if type(module).forward is not base.forward:
+        return (
+            f"{type(module).__name__} overrides {base.__name__}.forward (custom behaviour the sketched "
+            "layer would drop)"
+        )
     parent_name, _, child = fqn.rpartition(".")
     parent = model.get_submodule(parent_name)
     for reader, children in _DIRECT_WEIGHT_READERS.items():
@@ -342,22 +348,32 @@ def _conv_patches(conv: nn.Conv2d, x: Tensor) -> Tensor:
     return columns.transpose(1, 2).reshape(-1, columns.shape[1])
 
 
-class _GramRecorder:
-    """Forward pre-hook accumulating ``XᵀX`` (float64) of one layer's inputs."""
+def _layer_input(args: tuple, kwargs: dict) -> Tensor:
+    """The input of a call to ``nn.Linear.forward`` / ``nn.Conv2d.forward`` (the only
+    forwards convert accepts): the positional argument or the ``input=`` keyword."""
+    return args[0] if args else kwargs["input"]
 
-    def __init__(self, layer: _Layer) -> None:
+
+class _GramRecorder:
+    """Forward pre-hook (``with_kwargs=True``) accumulating ``XᵀX`` (float64) of one layer's
+    inputs in a ``(fan_in, fan_in)`` matrix on ``device`` (None: the layer's device)."""
+
+    def __init__(self, layer: _Layer, device: Optional[torch.device] = None) -> None:
         self.module = layer.module
-        weight = layer.module.weight
-        self.gram = torch.zeros(layer.fan_in, layer.fan_in, dtype=torch.float64, device=weight.device)
+        device = layer.module.weight.device if device is None else device
+        self.gram = torch.zeros(layer.fan_in, layer.fan_in, dtype=torch.float64, device=device)
         self.rows = 0
 
     def _add(self, rows: Tensor) -> None:
-        rows = rows.detach().to(device=self.gram.device, dtype=torch.float64)
-        self.gram.addmm_(rows.t(), rows)
+        rows = rows.detach().to(torch.float64)
+        if rows.device == self.gram.device:
+            self.gram.addmm_(rows.t(), rows)
+        else:  # the product runs where the activations are; only its result is moved
+            self.gram.add_((rows.t() @ rows).to(self.gram.device))
         self.rows += rows.shape[0]
 
-    def __call__(self, module: nn.Module, args) -> None:
-        x = args[0]
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = _layer_input(args, kwargs)
         if isinstance(module, nn.Conv2d):
             if x.dim() == 3:
                 x = x.unsqueeze(0)
@@ -396,12 +412,19 @@ def _run_batch(model: nn.Module, batch) -> None:
 
 
 @torch.no_grad()
-def _collect_grams(model: nn.Module, layers: List[_Layer], calibration_data, progress: Optional[bool]) -> Dict[str, _GramRecorder]:
+def _collect_grams(
+    model: nn.Module,
+    layers: List[_Layer],
+    calibration_data,
+    progress: Optional[bool],
+    device: Optional[torch.device] = None,
+) -> Dict[str, _GramRecorder]:
     """Run the calibration data through ``model`` in eval mode and no_grad, recording each
-    layer's input Gram; hooks and every module's training flag are restored afterwards."""
-    recorders = {layer.name: _GramRecorder(layer) for layer in layers}
+    layer's input Gram on ``device`` (None: the layer's own); hooks and every module's
+    training flag are restored afterwards."""
+    recorders = {layer.name: _GramRecorder(layer, device) for layer in layers}
     training = {module: module.training for module in model.modules()}
-    handles = [layer.module.register_forward_pre_hook(recorders[layer.name]) for layer in layers]
+    handles = [layer.module.register_forward_pre_hook(recorders[layer.name], with_kwargs=True) for layer in layers]
     try:
         model.eval()
         if callable(calibration_data):
@@ -488,6 +511,7 @@ def convert(
     rank_pattern: Optional[Mapping[str, RankSpec]] = None,
     init: str = "svd",
     calibration_data=None,
+    calibration_device: Union[str, torch.device, None] = None,
     seed: Optional[int] = None,
     progress: Optional[bool] = None,
 ) -> pd.DataFrame:
@@ -502,7 +526,8 @@ def convert(
             every ``nn.Linear`` and ``nn.Conv2d``; ``"all-linear"``: every ``nn.Linear``;
             a string: a regex full-matched against the dotted module name; a list: names
             equal to an entry or ending in ``"." + entry``. Only ``nn.Linear`` and
-            ``nn.Conv2d`` modules (and subclasses) are ever candidates.
+            ``nn.Conv2d`` modules (and subclasses) are ever candidates; a subclass that
+            overrides ``forward`` is reported as skipped.
         exclude_modules: same semantics; wins over ``target_modules``.
         filter_fn: optional ``(module, fqn) -> bool``; a module is converted only if it
             returns True (as torchao's ``module_filter_fn``).
@@ -524,7 +549,16 @@ def convert(
             ``model(*b)``, dict → ``model(**b)``) or a callable ``fn(model)``. It runs once
             under ``torch.no_grad()`` in eval mode (every module's training flag is
             restored) while forward pre-hooks accumulate each target layer's input Gram
-            ``XᵀX`` in float64 (unfolded patches for convolutions).
+            ``XᵀX`` in float64 (unfolded patches for convolutions; a layer may get its
+            ``input`` positionally or as a keyword). All Grams are alive together until
+            the fits: ``8·Σ fan_in²`` bytes over the target layers (e.g. 32 layers of
+            fan_in 4096: 4 GiB).
+        calibration_device: where those Grams are held. None (default): on each
+            layer's own device; e.g. ``"cpu"`` offloads them to host memory so a large
+            model's accelerator holds only its activations, each batch's ``XᵀX`` (one
+            ``fan_in²`` float64 matrix at a time, computed where the activations are)
+            and, while a layer is fitted, that layer's Gram. The fits are the same
+            wherever the Grams are held.
         seed: makes the random sketches of ``init="sketch"`` reproducible (layer ``i``
             uses ``seed + i``).
         progress: show tqdm progress bars; None (default) shows them on a terminal only.
@@ -533,17 +567,18 @@ def convert(
         A DataFrame with one row per selected layer (:data:`REPORT_COLUMNS`): ``status`` is
         ``"converted"``, ``"kept dense"`` (no configuration within the budget beats
         dense) or ``"skipped"`` (cannot be swapped safely: weight tied to another module,
-        read directly by its parent such as ``nn.MultiheadAttention.out_proj``, grouped
-        convolution, lazy or root module), with the ``reason``. Sizes count parameters;
-        ``stored_params`` includes the U buffers. ``weight_error`` is
-        ``‖Ŵ − W‖_F/‖W‖_F``; ``output_error`` is ``‖X(W − Ŵ)ᵀ‖_F/‖XWᵀ‖_F`` on the
-        calibration data (NaN without it). ``df.attrs["summary"]`` holds a printable
+        read directly by its parent such as ``nn.MultiheadAttention.out_proj``, a subclass
+        overriding ``forward``, grouped convolution, lazy or root module), with the
+        ``reason``. Sizes count parameters; ``stored_params`` includes the U buffers.
+        ``weight_error`` is ``‖Ŵ − W‖_F/‖W‖_F``; ``output_error`` is
+        ``‖X(W − Ŵ)ᵀ‖_F/‖XWᵀ‖_F`` on the calibration data (NaN without it). ``df.attrs["summary"]`` holds a printable
         one-line summary (:func:`conversion_summary`).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, or a selector, ``rank_pattern`` or
-            ``calibration_data`` has the wrong type.
-        ValueError: nothing matched, bad or contradictory sizes, an unknown ``init``.
+        TypeError: ``model`` is not an ``nn.Module``, or a selector, ``rank_pattern``,
+            ``calibration_data`` or ``calibration_device`` has the wrong type.
+        ValueError: nothing matched, bad or contradictory sizes, an unknown ``init``, an
+            invalid ``calibration_device``.
 
     Replaced modules lose any hooks registered on them; training mode and
     ``requires_grad`` carry over, and each new module lands on the device and dtype of
@@ -560,6 +595,13 @@ def convert(
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"seed must be an int or None, got {seed!r}")
     _check_calibration_data(calibration_data)
+    if calibration_device is not None:
+        if not isinstance(calibration_device, (str, torch.device)):
+            raise TypeError(f"calibration_device must be None, a str or a torch.device, got {calibration_device!r}")
+        try:
+            calibration_device = torch.device(calibration_device)
+        except RuntimeError as error:
+            raise ValueError(f"calibration_device {calibration_device!r} is not a valid device: {error}") from None
     default, ratio_terms, patterns = _size_arguments(num_terms, low_rank, param_ratio, rank_pattern)
 
     layers = _select(model, target_modules, exclude_modules, filter_fn)
@@ -575,7 +617,7 @@ def convert(
 
     grams: Dict[str, _GramRecorder] = {}
     if calibration_data is not None and todo:
-        grams = _collect_grams(model, todo, calibration_data, progress)
+        grams = _collect_grams(model, todo, calibration_data, progress, calibration_device)
 
     stored_before = _stored_numel(model)
     results = {}

@@ -1,10 +1,12 @@
 """panther_lite.convert / densify / conversion configs: model surgery on real, trained models."""
 import copy
+import importlib
 import importlib.util
 import json
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
@@ -283,6 +285,8 @@ def test_filter_fn_receives_module_and_fqn():
         (dict(calibration_data=torch.zeros(2, 32)), TypeError),
         (dict(init="random"), ValueError),
         (dict(seed=1.5), TypeError),
+        (dict(calibration_device=0.5), TypeError),
+        (dict(calibration_device="warp-drive"), ValueError),
     ],
 )
 def test_bad_arguments_raise(kwargs, error):
@@ -365,6 +369,32 @@ def test_mha_out_proj_transformer_fast_path_and_tied_weights_are_skipped():
     assert isinstance(model.mlp, SKLinear) and report.loc["mlp", "status"] == "converted"
     out = model(tokens)  # still runs (fast path included) and only mlp changed
     assert out.shape == reference.shape
+
+
+def test_subclasses_overriding_forward_are_skipped():
+    class Doubled(nn.Linear):
+        def forward(self, input):
+            return 2 * super().forward(input)
+
+    class Rectified(nn.Conv2d):
+        def forward(self, input):
+            return super().forward(input).relu()
+
+    class Renamed(nn.Linear):
+        """Inherits nn.Linear.forward: safe to convert."""
+
+    model = nn.ModuleDict({
+        "doubled": Doubled(16, 16),
+        "rectified": Rectified(4, 8, 3),
+        "renamed": Renamed(16, 16),
+        "mha_style": nn.modules.linear.NonDynamicallyQuantizableLinear(16, 16),
+    })
+    report = convert(model, num_terms=1, low_rank=2, progress=False).set_index("name")
+    assert report.loc["doubled", "reason"] == "Doubled overrides Linear.forward (custom behaviour the sketched layer would drop)"
+    assert "Rectified overrides Conv2d.forward" in report.loc["rectified", "reason"]
+    assert list(report["status"]) == ["skipped", "skipped", "converted", "converted"]
+    assert type(model["doubled"]) is Doubled and type(model["rectified"]) is Rectified
+    assert isinstance(model["renamed"], SKLinear) and isinstance(model["mha_style"], SKLinear)
 
 
 def test_grouped_conv_and_root_module_are_skipped():
@@ -452,6 +482,66 @@ def test_calibration_batch_forms_agree(digits, trained_mlp):
         assert errors[name] == pytest.approx(errors["tensor"], rel=1e-9)
     with pytest.raises(TypeError, match="calibration batches"):
         convert(Scaled(copy.deepcopy(trained_mlp)), param_ratio=0.25, calibration_data=[3], progress=False)
+
+
+class KeywordCalls(nn.Module):
+    """A conv and a linear layer called with ``input=`` (keyword) or positionally."""
+
+    def __init__(self, keyword):
+        super().__init__()
+        torch.manual_seed(0)
+        self.keyword = keyword
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, dtype=torch.float64)
+        self.lin = nn.Linear(8 * 25, 16, dtype=torch.float64)
+
+    def forward(self, x):
+        h = (self.conv(input=x) if self.keyword else self.conv(x)).relu().flatten(1)
+        return self.lin(input=h) if self.keyword else self.lin(h)
+
+
+def test_calibration_reads_layer_inputs_passed_as_keywords():
+    x = torch.randn(6, 3, 5, 5, dtype=torch.float64)
+    reports, models = {}, {}
+    for keyword in (False, True):
+        models[keyword] = KeywordCalls(keyword)
+        reports[keyword] = convert(models[keyword], num_terms=1, low_rank=2, calibration_data=[x[:3], x[3:]],
+                                   progress=False)
+    assert list(reports[True]["init"]) == ["calibrated", "calibrated"]
+    assert reports[True]["output_error"].to_numpy() == pytest.approx(reports[False]["output_error"].to_numpy(), rel=1e-12)
+    torch.testing.assert_close(models[True](x), models[False](x), rtol=1e-12, atol=1e-12)
+
+
+CALIBRATION_DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+
+@pytest.mark.parametrize("model_device", CALIBRATION_DEVICES)
+def test_calibration_device_holds_grams_there_with_the_same_fit(monkeypatch, model_device):
+    convert_module = importlib.import_module("panther_lite.convert")
+    recorded = []
+
+    class Recording(convert_module._GramRecorder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            recorded.append(self)
+
+    monkeypatch.setattr(convert_module, "_GramRecorder", Recording)
+    x = torch.randn(6, 3, 5, 5, dtype=torch.float64, device=model_device)
+    results = {}
+    for calibration_device in (None, "cpu"):
+        recorded.clear()
+        model = KeywordCalls(keyword=False).to(model_device)
+        report = convert(model, num_terms=1, low_rank=2, calibration_data=[x[:3], x[3:]],
+                         calibration_device=calibration_device, progress=False)
+        expected = torch.device(model_device if calibration_device is None else "cpu").type
+        assert [r.gram.device.type for r in recorded] == [expected, expected]
+        assert all(r.rows > 0 for r in recorded)
+        assert model.lin.S1.device.type == torch.device(model_device).type
+        results[calibration_device] = (report["output_error"].to_numpy(), model(x))
+    assert results["cpu"][0] == pytest.approx(results[None][0], rel=1e-9)
+    torch.testing.assert_close(results["cpu"][1], results[None][1], rtol=1e-9, atol=1e-12)
 
 
 def test_layer_not_reached_by_calibration_falls_back_with_a_note():
@@ -545,5 +635,6 @@ def test_compress_model_tutorial_runs_quick(tmp_path):
     tutorial = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tutorial)
     table = tutorial.main(["--quick", "--output-dir", str(tmp_path)])
-    assert (tmp_path / "accuracy_vs_size.png").stat().st_size > 0
+    assert (tmp_path / "compress_model_digits.png").stat().st_size > 0
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "compress_model_digits.csv"), table)
     assert set(table["init"]) == {"sketch", "svd", "calibrated"}

@@ -21,14 +21,17 @@ Workflow 2 of panther_lite. We
    :func:`panther_lite.densify`.
 
 Run ``python tutorials/compress_model.py --help`` for options; ``--quick`` uses tiny sizes
-(seconds on a laptop CPU). A table (CSV) and a plot of accuracy against stored size (PNG)
-are written to ``--output-dir``.
+(seconds on a laptop CPU). The results table and a plot of accuracy against stored size are
+written to ``--output-dir`` as ``compress_model_digits.csv`` and ``compress_model_digits.png``
+(the full run's CPU results are committed under ``benchmarks/results/cpu``); the saved
+checkpoint of step 4 goes to a temporary directory.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -42,6 +45,8 @@ import torch.nn.functional as F  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import panther_lite  # noqa: E402
+
+RESULTS_STEM = "compress_model_digits"
 
 INITS = {
     "sketch": lambda x: dict(init="sketch", seed=0),
@@ -118,13 +123,13 @@ def compress_sweep(dense, train_set, test_set, ratios, finetune_epochs, seed):
     return pd.DataFrame(rows)
 
 
-def save_and_reload(model, hidden, output_dir, test_set):
-    """Save a converted model, rebuild it in a fresh dense MLP, and densify it again."""
-    torch.save(model.state_dict(), output_dir / "compressed.pt")
-    (output_dir / "compressed.json").write_text(json.dumps(panther_lite.conversion_config(model), indent=1))
+def save_and_reload(model, hidden, checkpoint_dir, test_set):
+    """Save a converted model to ``checkpoint_dir``, rebuild it in a fresh dense MLP, and densify it again."""
+    torch.save(model.state_dict(), checkpoint_dir / "compressed.pt")
+    (checkpoint_dir / "compressed.json").write_text(json.dumps(panther_lite.conversion_config(model), indent=1))
     fresh = make_mlp(hidden).to(test_set[0].device)
-    panther_lite.apply_conversion_config(fresh, json.loads((output_dir / "compressed.json").read_text()))
-    fresh.load_state_dict(torch.load(output_dir / "compressed.pt", weights_only=True))
+    panther_lite.apply_conversion_config(fresh, json.loads((checkpoint_dir / "compressed.json").read_text()))
+    fresh.load_state_dict(torch.load(checkpoint_dir / "compressed.pt", weights_only=True))
     fresh.eval()
     with torch.no_grad():
         same = torch.equal(fresh(test_set[0]), model(test_set[0]))
@@ -179,17 +184,20 @@ def main(argv=None):
 
     print("\n== 2./3. Convert at several budgets with each init, then fine-tune ==")
     table = compress_sweep(dense, train_set, test_set, ratios, finetune_epochs, args.seed)
+    table = table.assign(dense_accuracy=dense_accuracy, dense_stored_params=dense_size)
 
     print("\n== 4. Save, reload into a fresh model, densify ==")
     model = copy.deepcopy(dense)
     panther_lite.convert(model, param_ratio=0.25, exclude_modules=["4"], calibration_data=train_set[0].split(256), progress=False)
-    save_and_reload(model, hidden, args.output_dir, test_set)
+    with tempfile.TemporaryDirectory() as checkpoint_dir:
+        save_and_reload(model, hidden, Path(checkpoint_dir), test_set)
 
     print(f"\n== Results (dense accuracy {dense_accuracy:.3f}, {dense_size:,} stored params) ==")
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    table.to_csv(args.output_dir / "results.csv", index=False)
-    plot(table, dense_accuracy, dense_size, args.output_dir / "accuracy_vs_size.png")
-    print(f"\nwrote {args.output_dir / 'results.csv'} and {args.output_dir / 'accuracy_vs_size.png'}")
+    csv_path, png_path = args.output_dir / f"{RESULTS_STEM}.csv", args.output_dir / f"{RESULTS_STEM}.png"
+    table.to_csv(csv_path, index=False)
+    plot(table, dense_accuracy, dense_size, png_path)
+    print(f"\nwrote {csv_path} and {png_path}")
     return table
 
 

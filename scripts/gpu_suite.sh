@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On a machine with a CUDA GPU: run the GPU tests and the GPU benchmarks, writing results
+# to benchmarks/results/cuda/. Assumes a CUDA build of torch is importable by $PYTHON
+# (default: .venv/bin/python, set up with TORCH_SPEC=torch bash scripts/setup.sh).
+# Pass a stage to run only part: tests | bars | sweep4096 | sweep8192 | conv | all (default).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-.venv/bin/python}"
+OUT=benchmarks/results/cuda
+stage="${1:-all}"
+"$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')"
+run() { [ "$stage" = all ] || [ "$stage" = "$1" ]; }
+if run tests; then
+  "$PYTHON" -m pytest -q -p no:cacheprovider -rs  # the CUDA tests run here instead of skipping
+fi
+if run bars; then
+  "$PYTHON" benchmarks/bench_sklinear.py --device cuda --output-dir "$OUT"
+fi
+for n in 4096 8192; do
+  if run "sweep$n"; then
+    "$PYTHON" benchmarks/sweep.py --device cuda --dtype bfloat16 --in-features "$n" --out-features "$n" \
+      --batch-size 4096 --num-terms 1 2 4 8 16 --low-rank 16 32 64 128 256 --no-progress \
+      --output-dir "$OUT/sweep_$n"
+  fi
+done
+if run conv; then
+  "$PYTHON" benchmarks/bench_skconv2d.py --device cuda --dtype bfloat16 --channels 256 --batch 16 --output-dir "$OUT"
+fi
