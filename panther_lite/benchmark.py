@@ -395,7 +395,7 @@ class _Case(abc.ABC):
 
     def sketch_bytes(self, num_terms: int, low_rank: int, element_size: int) -> int:
         """Least traffic of the sketched forward: input, the four factors, bias, output
-        once, and the ``rows × 2Lk`` hidden activation written and read back."""
+        once, and the ``rows × 2Lk`` activations (``x·S1``, ``x·U2``) written and read back."""
         g = self.gemm
         width = 2 * num_terms * low_rank
         factors = width * (g.fan_in + g.fan_out) + g.fan_out

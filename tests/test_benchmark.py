@@ -125,9 +125,9 @@ def test_saved_activation_bytes_of_dense_and_sketched_linear():
     assert saved_activation_bytes(lambda: dense(x), list(dense.parameters())) == x.numel() * 4
     layer = SKLinear(10, 7, 1, 2, seed=0)
     tensors = list(layer.parameters()) + list(layer.buffers())
-    # x and the batch × 2Lk hidden activation; the factors and sketches are excluded
-    assert saved_activation_bytes(lambda: layer(x), tensors) == (6 * 10 + 6 * 4) * 4
-    assert training_memory_bytes(layer, x) == parameter_bytes(layer) + (6 * 10 + 6 * 4) * 4
+    # x and the batch × Lk activation x·U2; the factors and sketches are excluded
+    assert saved_activation_bytes(lambda: layer(x), tensors) == (6 * 10 + 6 * 2) * 4
+    assert training_memory_bytes(layer, x) == parameter_bytes(layer) + (6 * 10 + 6 * 2) * 4
 
 
 def test_anchor_formulation_saves_per_term_outputs():

@@ -74,7 +74,7 @@ def test_performance_memory_section_reports_the_library_measurements():
     rows, per_term = tutorial.section_memory(torch.device("cpu"), width, batch, num_terms, low_rank)
     # nn.Linear saves its input for the weight gradient; SKLinear also the batch × 2Lk hidden activation
     assert rows["nn.Linear"]["saved"] == batch * width * 4
-    assert rows["SKLinear"]["saved"] == (batch * width + batch * 2 * num_terms * low_rank) * 4
+    assert rows["SKLinear"]["saved"] == (batch * width + batch * num_terms * low_rank) * 4
     assert rows["nn.Linear"]["parameters"] == (width * width + width) * 4
     stored = SKLinear(width, width, num_terms, low_rank).parameter_counts().stored
     assert rows["SKLinear"]["parameters"] == stored * 4
@@ -97,6 +97,6 @@ def test_replace_dense_layers_reports_memory_on_the_cpu():
     assert dense["stored_params"] == width * width + width
     assert dense["parameter_mib"] * 2**20 == dense["stored_params"] * 4
     assert sketched["parameter_mib"] * 2**20 == sketched["stored_params"] * 4
-    # training forward on the CPU = parameters + saved activations (x; and x plus batch × 2Lk)
+    # training forward on the CPU = parameters + saved activations (x; and x plus x·U2, batch × Lk)
     assert dense["training_memory_mib"] * 2**20 == (dense["stored_params"] + batch * width) * 4
-    assert sketched["training_memory_mib"] * 2**20 == (sketched["stored_params"] + batch * width + batch * 2 * 2) * 4
+    assert sketched["training_memory_mib"] * 2**20 == (sketched["stored_params"] + batch * width + batch * 2) * 4
