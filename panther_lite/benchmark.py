@@ -369,7 +369,7 @@ class GemmShape(NamedTuple):
 
 class _Case(abc.ABC):
     """A dense layer shape and its sketched replacements, as a GEMM (:class:`GemmShape`):
-    dense ``rows × fan_in × fan_out``, sketched two GEMMs of width ``2Lk``."""
+    dense ``rows × fan_in × fan_out``, sketched a rank-``2Lk`` product (GEMMs of total width ``2Lk``)."""
 
     layer = ""
 

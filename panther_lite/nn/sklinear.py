@@ -48,8 +48,9 @@ class SKLinear(nn.Module):
     With ``L = num_terms`` and ``k = low_rank``, term ``i`` has trainable ``S1_i``
     (in × k) and ``S2_i`` (k × out) and fixed sketch buffers ``U1_i`` (k × out) and
     ``U2_i`` (in × k). They are stored concatenated over terms — ``S1`` (in × Lk),
-    ``U1`` (Lk × out), ``U2`` (in × Lk), ``S2`` (Lk × out) — so the forward is two GEMMs
-    of width ``2Lk`` (see :func:`panther_lite.nn.functional.sketched_linear`).
+    ``U1`` (Lk × out), ``U2`` (in × Lk), ``S2`` (Lk × out) — so the forward is one
+    rank-``2Lk`` product computed as GEMMs of width ``Lk`` into a single output (see
+    :func:`panther_lite.nn.functional.sketched_linear`).
 
     Args:
         in_features: size of each input sample.
