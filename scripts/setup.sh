@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install panther_lite with its test, docs and benchmark extras.
-# TORCH_SPEC picks the torch build; the default is the CPU build this project's machines
-# keep on local disk. On a GPU machine use e.g. TORCH_SPEC="torch" (CUDA wheels).
+# Without torch in .venv it installs torch==2.13.0 (a CPU build from this project's
+# machines' local disk); TORCH_SPEC, when set, is installed instead, e.g. TORCH_SPEC=torch
+# for CUDA wheels on a GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+if [ -n "${TORCH_SPEC:-}" ]; then
   .venv/bin/pip install -q "$TORCH_SPEC"
+elif ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/pip install -q "torch==2.13.0"
 fi
 .venv/bin/pip install -q -e ".[test,docs,bench]"

@@ -231,6 +231,17 @@ def test_seed_reproduces_the_whole_default_layer():
         assert torch.equal(tensor, b.state_dict()[name]), name
 
 
+def test_seeded_sketches_do_not_depend_on_bias_or_call_path():
+    W = torch.randn(48, 40)
+    with_bias = SKLinear(40, 48, 2, 2, W_init=W, seed=5)
+    without_bias = SKLinear(40, 48, 2, 2, W_init=W, seed=5, bias=False)
+    refit = SKLinear(40, 48, 2, 2, W_init=torch.randn(48, 40), seed=5)
+    refit.initialize_from_weight(W, init="sketch")
+    for other in (without_bias, refit):
+        assert torch.equal(with_bias.U1, other.U1) and torch.equal(with_bias.U2, other.U2)
+        torch.testing.assert_close(with_bias.S1, other.S1)
+
+
 def test_effective_weight_and_to_dense_compute_the_same_function():
     layer = make_layer(30, 20, 2, 4, dtype=torch.float32)
     x = torch.randn(6, 30)
@@ -439,3 +450,61 @@ def test_from_linear_with_gram_runs_one_decomposition(monkeypatch):
     SKLinear.from_linear(linear, 1, 4)
     SKLinear.from_linear(linear, 1, 4, gram=torch.eye(20, dtype=torch.float64))
     assert len(calls) == 2
+
+
+SCHEDULES = {"stacked": 0, "split": 10**9}  # rows-per-rank threshold forcing each schedule
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("frozen", [(), ("x",), ("S1",), ("S2",), ("x", "S1"), ("S1", "S2"), ("x", "S2")])
+@pytest.mark.parametrize("bias", [True, False])
+def test_backward_for_every_schedule_and_frozen_set(monkeypatch, schedule, frozen, bias):
+    import panther_lite.nn.functional as functional
+
+    monkeypatch.setattr(functional, "_STACKED_ROWS_PER_RANK", SCHEDULES[schedule])
+    layer = make_layer(11, 9, 2, 3, bias=bias)
+    x = torch.randn(2, 5, 11, dtype=torch.float64, requires_grad="x" not in frozen)
+    for name in frozen:
+        if name != "x":
+            getattr(layer, name).requires_grad_(False)
+    wanted = [t for t in (x, layer.S1, layer.S2, layer.bias) if t is not None and t.requires_grad]
+    grad_out = torch.randn(2, 5, 9, dtype=torch.float64)
+    got = torch.autograd.grad(layer(x), wanted, grad_out)
+    want = torch.autograd.grad(reference_forward(layer, x), wanted, grad_out)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradcheck_both_outputs_of_the_op(monkeypatch, schedule, bias):
+    import panther_lite.nn.functional as functional
+
+    monkeypatch.setattr(functional, "_STACKED_ROWS_PER_RANK", SCHEDULES[schedule])
+    layer = make_layer(6, 5, 2, 2, bias=bias)
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+
+    def f(x, S1, S2, *bias):
+        return torch.ops.panther_lite.sketched_linear(x, S1, layer.U1, layer.U2, S2, bias[0] if bias else None, 0.25)
+
+    inputs = (x, layer.S1, layer.S2) + ((layer.bias,) if bias else ())
+    assert torch.autograd.gradcheck(f, inputs)
+
+
+def test_backward_saves_nothing_for_frozen_factors():
+    layer = make_layer(16, 12, 1, 2)
+    layer.S1.requires_grad_(False)
+    layer.S2.requires_grad_(False)
+    x = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
+    param_ptrs = {t.data_ptr() for t in (*layer.parameters(), *layer.buffers())}
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(x)
+    assert [t for t in saved if t.data_ptr() not in param_ptrs] == []
+
+
+def test_meta_device_construction_and_forward():
+    layer = SKLinear(4096, 2048, 1, 16, device="meta")
+    assert layer.S1.is_meta and layer.U1.is_meta
+    y = layer(torch.empty(3, 7, 4096, device="meta"))
+    assert y.shape == (3, 7, 2048) and y.is_meta

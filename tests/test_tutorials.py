@@ -72,7 +72,7 @@ def test_performance_memory_section_reports_the_library_measurements():
     tutorial = load_tutorial("performance.py")
     width, batch, num_terms, low_rank = 32, 6, 2, 3
     rows, per_term = tutorial.section_memory(torch.device("cpu"), width, batch, num_terms, low_rank)
-    # nn.Linear saves its input for the weight gradient; SKLinear also the batch × 2Lk hidden activation
+    # nn.Linear saves its input for the weight gradient; SKLinear also x·U2 (batch × Lk)
     assert rows["nn.Linear"]["saved"] == batch * width * 4
     assert rows["SKLinear"]["saved"] == (batch * width + batch * num_terms * low_rank) * 4
     assert rows["nn.Linear"]["parameters"] == (width * width + width) * 4

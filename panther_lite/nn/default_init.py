@@ -37,9 +37,7 @@ def fill_bias_default_(bias: Optional[Tensor], fan_in: int, generator: Optional[
 @torch.no_grad()
 def rescale_to_default_(effective_weight: Tensor, fan_in: int, factors: Sequence[Tensor]) -> None:
     """Scale ``factors`` (the trainable ones the effective weight is linear in) so that the
-    effective weight's RMS is the dense init's ``1/√(3·fan_in)``. No-op on meta tensors."""
-    if effective_weight.device.type == "meta":
-        return
+    effective weight's RMS is the dense init's ``1/√(3·fan_in)``."""
     rms = float(effective_weight.double().pow(2).mean().sqrt())
     if rms > 0:
         for factor in factors:

@@ -2,12 +2,17 @@
 
 It is a ``torch.library`` custom op with its own backward, so that
 
-* the forward is four GEMMs of width ``L·k`` — ``x·S1``, ``x·U2``, then both products
-  accumulated into one output — never a per-term ``L × batch × out`` temporary and no
-  per-call copy of the factors;
-* backward saves only ``x`` and the ``batch × Lk`` activation ``x·U2`` (``S2``'s gradient
-  needs it) and skips the gradients of the fixed ``U`` buffers (autograd on the plain GEMM
-  chain would also save ``x·S1`` and compute ``U1``'s gradient);
+* the whole layer is one rank-``2Lk`` product — never a per-term ``L × batch × out``
+  temporary. Two schedules compute it, picked by the number of rows:
+
+  - *stacked* (``rows >= 4·L·k``): ``h = x·[S1 | U2]`` then ``y = h·[U1; S2]``, two wide
+    GEMMs that read ``x`` and write ``y`` once — what a memory-bound layer (small rank,
+    many rows) needs; the factors are concatenated per call, which is cheap next to ``x``;
+  - *split* (fewer rows): ``x·S1`` and ``x·U2`` accumulated into one output, with no
+    per-call copy of the factors, which would dominate for a handful of rows;
+
+* backward saves only what the requested gradients need (``x`` for ``S1``, ``x·U2`` for
+  ``S2``) and computes no gradient for the fixed ``U`` buffers;
 * ``torch.compile(fullgraph=True)`` sees one opaque op (no graph break), and
   ``torch.export`` keeps it.
 
@@ -24,16 +29,28 @@ from torch import Tensor
 
 __all__ = ["sketched_linear"]
 
+_STACKED_ROWS_PER_RANK = 4
+
+
+def _stacked(rows: int, rank: int) -> bool:
+    """Whether ``rows`` input rows at rank ``L·k`` take the stacked schedule (measured on
+    CPU: for ``L·k = 8`` it is 1.6–3.3× faster from 32 rows on, for ``L·k >= 32`` the two
+    schedules tie from ``4·L·k`` rows and the split one wins below)."""
+    return rows >= _STACKED_ROWS_PER_RANK * rank
+
 
 @torch.library.custom_op("panther_lite::sketched_linear", mutates_args=())
 def _sketched_linear_op(
     x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float
 ) -> Tuple[Tensor, Tensor]:
+    rank = S1.shape[1]
+    if _stacked(x.shape[0], rank):
+        hidden = x @ torch.cat((S1, U2), dim=1)
+        right = torch.cat((U1, S2), dim=0)
+        out = torch.mm(hidden, right).mul_(scale) if bias is None else torch.addmm(bias, hidden, right, alpha=scale)
+        return out, hidden[:, rank:].clone()
     x_U2 = x @ U2
-    if bias is None:
-        out = torch.mm(x @ S1, U1).mul_(scale)
-    else:
-        out = torch.addmm(bias, x @ S1, U1, alpha=scale)
+    out = torch.mm(x @ S1, U1).mul_(scale) if bias is None else torch.addmm(bias, x @ S1, U1, alpha=scale)
     out.addmm_(x_U2, S2, alpha=scale)
     return out, x_U2
 
@@ -49,26 +66,37 @@ def _setup_context(ctx, inputs, output):
     ctx.scale = scale
     ctx.has_bias = bias is not None
     ctx.set_materialize_grads(False)  # x·U2 is internal: no zero-filled gradient for it
-    ctx.save_for_backward(x, x_U2, S1, U1, U2, S2)
+    need_S1, need_S2 = ctx.needs_input_grad[1], ctx.needs_input_grad[4]
+    ctx.save_for_backward(x if need_S1 else None, x_U2 if need_S2 else None, S1, U1, U2, S2)
 
 
 def _backward(ctx, grad_out: Optional[Tensor], grad_x_U2: Optional[Tensor]):
     x, x_U2, S1, U1, U2, S2 = ctx.saved_tensors
+    rank = S1.shape[1]
     need_x, need_S1, need_S2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4]
     grad_x = grad_S1 = grad_S2 = grad_bias = None
-    g = None if grad_out is None else grad_out * ctx.scale
-    if g is not None and (need_x or need_S1):
-        grad_x_S1 = g @ U1.t()
+    if grad_out is None:  # only the internal x·U2 output was used
+        if need_x and grad_x_U2 is not None:
+            grad_x = grad_x_U2 @ U2.t()
+        return grad_x, None, None, None, None, None, None
+    g = grad_out * ctx.scale
+    if need_x or need_S1:
+        if need_x and _stacked(g.shape[0], rank):
+            grad_hidden = g @ torch.cat((U1, S2), dim=0).t()  # [d/d(x·S1) | d/d(x·U2)]
+            if grad_x_U2 is not None:
+                grad_hidden[:, rank:] += grad_x_U2
+            grad_x = grad_hidden @ torch.cat((S1, U2), dim=1).t()
+            grad_x_S1 = grad_hidden[:, :rank]
+        else:
+            grad_x_S1 = g @ U1.t()
+            if need_x:
+                grad_wrt_x_U2 = g @ S2.t() if grad_x_U2 is None else torch.addmm(grad_x_U2, g, S2.t())
+                grad_x = (grad_x_S1 @ S1.t()).addmm_(grad_wrt_x_U2, U2.t())
         if need_S1:
             grad_S1 = x.t() @ grad_x_S1
-        if need_x:
-            grad_x = grad_x_S1 @ S1.t()
-            grad_x.addmm_(g @ S2.t(), U2.t())
-    if need_x and grad_x_U2 is not None:
-        grad_x = grad_x_U2 @ U2.t() if grad_x is None else grad_x.addmm_(grad_x_U2, U2.t())
-    if g is not None and need_S2:
+    if need_S2:
         grad_S2 = x_U2.t() @ g
-    if g is not None and ctx.has_bias and ctx.needs_input_grad[5]:
+    if ctx.has_bias and ctx.needs_input_grad[5]:
         grad_bias = grad_out.sum(0)
     return grad_x, grad_S1, None, None, grad_S2, grad_bias, None
 
@@ -77,7 +105,7 @@ _sketched_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-    if torch.is_autocast_enabled(device_type):
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
 
@@ -95,7 +123,7 @@ def _check_operands(x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, b
         if t.dtype != x.dtype:
             raise TypeError(
                 f"sketched_linear: {name} has dtype {t.dtype} but the input has {x.dtype}; "
-                "cast one of them or run under torch.autocast"
+                "cast one of them (autocast leaves float64 alone)"
             )
         if t.device != x.device:
             raise ValueError(f"sketched_linear: {name} is on {t.device} but the input is on {x.device}")

@@ -225,10 +225,12 @@ class SKConv2d(nn.Module):
         """Draw a dense kernel and bias with ``nn.Conv2d``'s init (U(±1/√fan_in)), from
         ``seed`` when set; represent the kernel with ``self.init``; then rescale ``S`` so the
         effective kernel has the dense init's scale (see :mod:`panther_lite.nn.default_init`)."""
+        if self.S.is_meta:
+            return
         generator = resolve_generator(self.seed)
         weight = draw_dense_default((self.out_channels, self.in_channels, *self.kernel_size), self.fan_in, generator)
-        fill_bias_default_(self.bias, self.fan_in, generator)
         self._fit(weight, self.init, None, generator)
+        fill_bias_default_(self.bias, self.fan_in, generator)
         rescale_to_default_(self.effective_weight(), self.fan_in, (self.S,))
 
     @torch.no_grad()

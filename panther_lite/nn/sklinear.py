@@ -124,8 +124,8 @@ class SKLinear(nn.Module):
             self.reset_parameters()
         else:
             generator = resolve_generator(seed)
-            fill_bias_default_(self.bias, in_features, generator)
             self._fit(W_init, init, None, generator)
+            fill_bias_default_(self.bias, in_features, generator)
 
     @property
     def scale(self) -> float:
@@ -138,10 +138,12 @@ class SKLinear(nn.Module):
         from ``seed`` when set; represent the weight with ``self.init``; then rescale
         ``S1``, ``S2`` so the effective weight has the dense init's scale (see
         :mod:`panther_lite.nn.default_init`)."""
+        if self.S1.is_meta:
+            return
         generator = resolve_generator(self.seed)
         weight = draw_dense_default((self.out_features, self.in_features), self.in_features, generator)
-        fill_bias_default_(self.bias, self.in_features, generator)
         self._fit(weight, self.init, None, generator)
+        fill_bias_default_(self.bias, self.in_features, generator)
         rescale_to_default_(self.effective_weight(), self.in_features, (self.S1, self.S2))
 
     @torch.no_grad()
