@@ -191,11 +191,12 @@ def _unconvertible_reason(model: nn.Module, layer: _Layer, owners: Dict[int, Lis
     if layer.is_lazy:
         return "its parameters are not initialized yet (lazy module); run a forward pass first"
     base = nn.Conv2d if isinstance(module, nn.Conv2d) else nn.Linear
-    if type(module).forward is not base.forward:
-        return (
-            f"{type(module).__name__} overrides {base.__name__}.forward (custom behaviour the sketched "
-            "layer would drop)"
-        )
+    for method in ("forward", "_conv_forward") if base is nn.Conv2d else ("forward",):
+        if getattr(type(module), method) is not getattr(base, method):
+            return (
+                f"{type(module).__name__} overrides {base.__name__}.{method} (custom behaviour the sketched "
+                "layer would drop)"
+            )
     parent_name, _, child = fqn.rpartition(".")
     parent = model.get_submodule(parent_name)
     for reader, children in _DIRECT_WEIGHT_READERS.items():

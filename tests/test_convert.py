@@ -380,19 +380,25 @@ def test_subclasses_overriding_forward_are_skipped():
         def forward(self, input):
             return super().forward(input).relu()
 
+    class Standardised(nn.Conv2d):
+        def _conv_forward(self, input, weight, bias):
+            return super()._conv_forward(input, weight / weight.norm(), bias)
+
     class Renamed(nn.Linear):
         """Inherits nn.Linear.forward: safe to convert."""
 
     model = nn.ModuleDict({
         "doubled": Doubled(16, 16),
         "rectified": Rectified(4, 8, 3),
+        "standardised": Standardised(4, 8, 3),
         "renamed": Renamed(16, 16),
         "mha_style": nn.modules.linear.NonDynamicallyQuantizableLinear(16, 16),
     })
     report = convert(model, num_terms=1, low_rank=2, progress=False).set_index("name")
     assert report.loc["doubled", "reason"] == "Doubled overrides Linear.forward (custom behaviour the sketched layer would drop)"
     assert "Rectified overrides Conv2d.forward" in report.loc["rectified", "reason"]
-    assert list(report["status"]) == ["skipped", "skipped", "converted", "converted"]
+    assert "Standardised overrides Conv2d._conv_forward" in report.loc["standardised", "reason"]
+    assert list(report["status"]) == ["skipped", "skipped", "skipped", "converted", "converted"]
     assert type(model["doubled"]) is Doubled and type(model["rectified"]) is Rectified
     assert isinstance(model["renamed"], SKLinear) and isinstance(model["mha_style"], SKLinear)
 
