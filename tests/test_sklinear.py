@@ -508,3 +508,25 @@ def test_meta_device_construction_and_forward():
     assert layer.S1.is_meta and layer.U1.is_meta
     y = layer(torch.empty(3, 7, 4096, device="meta"))
     assert y.shape == (3, 7, 2048) and y.is_meta
+
+
+def test_vmap_over_inputs_and_over_stacked_parameters():
+    from torch.func import functional_call, vmap
+
+    layer = make_layer(40, 36, 2, 3)
+    xs = torch.randn(5, 4, 40, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no slow per-sample fallback
+        torch.testing.assert_close(vmap(layer)(xs), torch.stack([layer(x) for x in xs]), rtol=1e-12, atol=1e-12)
+    buffers = dict(layer.named_buffers())
+    ensemble = {name: torch.stack([p.detach() * (i + 1) for i in range(3)]) for name, p in layer.named_parameters()}
+
+    def run(params, x):
+        return functional_call(layer, (params, buffers), (x,))
+
+    for in_dims, inputs in (((0, None), xs[0]), ((0, 0), xs[:3])):
+        got = vmap(run, in_dims=in_dims)(ensemble, inputs)
+        want = torch.stack(
+            [run({n: p[i] for n, p in ensemble.items()}, inputs if in_dims[1] is None else inputs[i]) for i in range(3)]
+        )
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -13,8 +13,11 @@ It is a ``torch.library`` custom op with its own backward, so that
 
 * backward saves only what the requested gradients need (``x`` for ``S1``, ``x·U2`` for
   ``S2``) and computes no gradient for the fixed ``U`` buffers;
-* ``torch.compile(fullgraph=True)`` sees one opaque op (no graph break), and
-  ``torch.export`` keeps it.
+* ``torch.compile(fullgraph=True)`` sees one opaque op (no graph break),
+  ``torch.export`` keeps it, and ``torch.func.vmap`` has a batching rule (batched inputs
+  fold into rows; stacked parameters, e.g. model ensembles, use batched matmuls).
+  ``torch.func.grad`` is not supported: PyTorch's custom-op autograd does not compose
+  with functorch transforms; use ``torch.autograd``.
 
 Autocast is applied by :func:`sketched_linear` before the op is called (custom ops are
 not cast by autocast on their own), so every autocast dtype works and the casts are
@@ -102,6 +105,24 @@ def _backward(ctx, grad_out: Optional[Tensor], grad_x_U2: Optional[Tensor]):
 
 
 _sketched_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@_sketched_linear_op.register_vmap
+def _(info, in_dims, x, S1, U1, U2, S2, bias, scale):
+    """``torch.func.vmap``: a batch of inputs with shared factors (per-sample gradients)
+    folds into the rows of one call; batched factors fall back to batched matmuls."""
+    x_dim, factor_dims, bias_dim = in_dims[0], in_dims[1:5], in_dims[5]
+    if x_dim is not None and all(d is None for d in factor_dims) and bias_dim is None:
+        batch = x.movedim(x_dim, 0)
+        out, x_U2 = _sketched_linear_op(batch.reshape(-1, batch.shape[-1]), S1, U1, U2, S2, bias, scale)
+        return (out.view(*batch.shape[:2], -1), x_U2.view(*batch.shape[:2], -1)), (0, 0)
+    x, S1, U1, U2, S2 = (t if d is None else t.movedim(d, 0) for t, d in zip((x, S1, U1, U2, S2), in_dims))
+    x = x if x_dim is not None else x.expand(info.batch_size, *x.shape)
+    x_U2 = x @ U2
+    out = scale * ((x @ S1) @ U1 + x_U2 @ S2)
+    if bias is not None:
+        out = out + (bias if bias_dim is None else bias.movedim(bias_dim, 0).unsqueeze(1))
+    return (out, x_U2), (0, 0)
 
 
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
