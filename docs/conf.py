@@ -29,7 +29,7 @@ import panther_lite  # noqa: E402
 
 project = "panther_lite"
 author = "panther_lite contributors"
-copyright = "2025, panther_lite contributors"
+copyright = "2026, panther_lite contributors"
 release = panther_lite.__version__
 version = release
 
