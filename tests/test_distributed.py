@@ -109,6 +109,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
         wrapped = _full_state(model)
         _train(ddp, _batches(rank, torch.float64, "cpu"))
         torch.save({"before": before, "wrapped": wrapped, "after": _full_state(model)}, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # no rank tears gloo down while another still communicates
     finally:
         dist.destroy_process_group()
 
@@ -135,6 +136,7 @@ def _fsdp_worker(rank: int, port: int, out_dir: str, device: str) -> None:
             warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
             _train(model, _batches(rank, model[0].S.dtype, device))
         torch.save({"wrapped": wrapped, "after": _full_state(model)}, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # no rank tears gloo down while another still communicates
     finally:
         dist.destroy_process_group()
 
