@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: run the GPU tests and the GPU benchmarks, writing results
-# to benchmarks/results/cuda/. Assumes a CUDA build of torch is importable by $PYTHON
-# (default: .venv/bin/python, set up with TORCH_SPEC=torch bash scripts/setup.sh).
+# to benchmarks/results/cuda/. Needs a CUDA build of torch importable by $PYTHON (default:
+# .venv/bin/python if there is one — set up with TORCH_SPEC=torch bash scripts/setup.sh —
+# else python3); the package runs from this checkout (PYTHONPATH), no install needed.
 # Pass a stage to run only part: tests | bars | sweep4096 | sweep8192 | conv | all (default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-.venv/bin/python}"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=benchmarks/results/cuda
 stage="${1:-all}"
 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')"

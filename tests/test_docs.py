@@ -19,6 +19,7 @@ PY_ROLE = re.compile(r":(?:func|class|meth|mod|attr|data):`(?:[^`<]*<)?~?(panthe
 
 @pytest.fixture(scope="module")
 def html(tmp_path_factory) -> Path:
+    pytest.importorskip("sphinx", reason="the docs extra is not installed (pip install -e '.[docs]')")
     out = tmp_path_factory.mktemp("docs")
     result = subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html", "-q",
