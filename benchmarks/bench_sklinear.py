@@ -80,9 +80,9 @@ class Bench:
         self.x = torch.randn(batch, features, generator=generator).to(self.device, dtype)
         self.x_grad = self.x.clone().requires_grad_(True)
         self.grad_out = torch.randn(batch, features, generator=generator).to(self.device, dtype)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            self.dense = nn.Linear(features, features, device=self.device, dtype=dtype)
+        with torch.random.fork_rng(devices=[]):  # drawn on the CPU: the same layer on every device
+            torch.default_generator.manual_seed(0)
+            self.dense = nn.Linear(features, features, dtype=dtype).to(self.device)
 
     def layer(self, num_terms: int, low_rank: int) -> SKLinear:
         f = self.case.in_features

@@ -74,6 +74,7 @@ __all__ = [
 ]
 
 DeviceLike = Union[str, torch.device]
+_L2_FLUSH_BYTES = 256 * 1024 * 1024  # over any current GPU's L2 (H100: 50 MB, B200: 126 MB)
 
 
 def _check_int(name: str, value: int, minimum: int) -> None:
@@ -106,6 +107,7 @@ def time_callable(
     device: DeviceLike = "cpu",
     warmup: int = 3,
     repeats: int = 10,
+    flush_cache: bool = True,
 ) -> float:
     """Median wall time of ``fn()`` in milliseconds.
 
@@ -116,6 +118,9 @@ def time_callable(
             and synchronises before timing and before reading the events.
         warmup: untimed calls first (allocator, kernel selection, caches).
         repeats: timed calls; the median is returned.
+        flush_cache: on CUDA, overwrite a buffer larger than the L2 cache before each
+            timed call (outside the events), so inputs that would fit in L2 (e.g. 32 MB
+            on an H100's 50 MB) are read from device memory as the roofline assumes.
     """
     _check_int("warmup", warmup, 0)
     _check_int("repeats", repeats, 1)
@@ -124,10 +129,13 @@ def time_callable(
         fn()
     if device.type == "cuda":
         with torch.cuda.device(device):
+            scratch = torch.empty(_L2_FLUSH_BYTES, dtype=torch.int8, device=device) if flush_cache else None
             torch.cuda.synchronize()
             starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
             ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
             for start, end in zip(starts, ends):
+                if scratch is not None:
+                    scratch.zero_()
                 start.record()
                 fn()
                 end.record()
@@ -560,7 +568,7 @@ def _digits_model(layer: str, width: int, num_terms: Optional[int], low_rank: Op
     ``num_terms`` is None, sketched (``init="sketch"``, trained from scratch) otherwise.
     Initialised from ``seed`` without touching the global random state."""
     with torch.random.fork_rng(devices=[]), ignore_size_warnings():
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)  # the CPU's only: torch.manual_seed also reseeds CUDA's
         if layer == "linear":
             middle = (
                 nn.Linear(width, width)

@@ -10,7 +10,7 @@ if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT=benchmarks/results/cuda
+RESULTS=benchmarks/results/cuda
 stage="${1:-all}"
 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')"
 run() { [ "$stage" = all ] || [ "$stage" = "$1" ]; }
@@ -18,15 +18,15 @@ if run tests; then
   "$PYTHON" -m pytest -q -p no:cacheprovider -rs  # the CUDA tests run here instead of skipping
 fi
 if run bars; then
-  "$PYTHON" benchmarks/bench_sklinear.py --device cuda --output-dir "$OUT"
+  "$PYTHON" benchmarks/bench_sklinear.py --device cuda --output-dir "$RESULTS"
 fi
 for n in 4096 8192; do
   if run "sweep$n"; then
     "$PYTHON" benchmarks/sweep.py --device cuda --dtype bfloat16 --in-features "$n" --out-features "$n" \
       --batch-size 4096 --num-terms 1 2 4 8 16 --low-rank 16 32 64 128 256 --no-progress \
-      --output-dir "$OUT/sweep_$n"
+      --output-dir "$RESULTS/sweep_$n"
   fi
 done
 if run conv; then
-  "$PYTHON" benchmarks/bench_skconv2d.py --device cuda --dtype bfloat16 --channels 256 --batch 16 --output-dir "$OUT"
+  "$PYTHON" benchmarks/bench_skconv2d.py --device cuda --dtype bfloat16 --channels 256 --batch 16 --output-dir "$RESULTS"
 fi

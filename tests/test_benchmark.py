@@ -92,6 +92,18 @@ def test_time_callable_on_cuda_measures_gpu_work():
     assert 0 < small < large
 
 
+@requires_cuda
+@pytest.mark.parametrize("flush_cache", [True, False])
+def test_time_callable_on_cuda_flushes_a_buffer_larger_than_l2(flush_cache):
+    l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    time_callable(lambda: None, device="cuda", warmup=0, repeats=2, flush_cache=flush_cache)
+    scratch = torch.cuda.max_memory_allocated() - before
+    assert (scratch > l2_bytes) if flush_cache else (scratch == 0)
+
+
 # ------------------------------------------------------------------ memory
 
 
@@ -188,6 +200,15 @@ def test_digits_task_accuracy_learns_and_is_reproducible():
         digits_task_accuracy("attention")
 
 
+def test_digits_task_accuracy_leaves_the_cuda_generators_alone(monkeypatch):
+    """The model is seeded on the CPU; torch.manual_seed would also reseed every CUDA
+    generator, which fork_rng(devices=[]) does not restore."""
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", reseeded.append)
+    digits_task_accuracy("linear", 1, 2, width=8, epochs=1, seed=3)
+    assert reseeded == []
+
+
 # ------------------------------------------------------------------ roofline and Pareto front
 
 
@@ -200,6 +221,13 @@ def test_roofline_is_the_slower_of_compute_and_memory():
 def test_measure_device_peaks_on_cpu_is_positive():
     peaks = measure_device_peaks("cpu", torch.float32, gemm_size=64, copy_bytes=1 << 16, warmup=1, repeats=2)
     assert peaks.flops_per_s > 0 and peaks.bytes_per_s > 0
+
+
+@requires_cuda
+def test_measure_device_peaks_on_cuda_is_plausible():
+    peaks = measure_device_peaks("cuda", torch.bfloat16, gemm_size=4096, copy_bytes=1 << 28)
+    assert 1e12 < peaks.flops_per_s < 1e16  # 1 TFLOP/s to 10 PFLOP/s
+    assert 1e10 < peaks.bytes_per_s < 1e14  # 10 GB/s to 100 TB/s
 
 
 def test_case_flops_follow_the_design_formula():
@@ -266,6 +294,21 @@ def test_sweep_with_peaks_fills_the_roofline_columns(tmp_path):
     expected = [roofline_ms(f, 0, peaks) for f in df["flops"]]
     assert (df["roofline_ms"] >= np.array(expected)).all()
     np.testing.assert_allclose(df["roofline_fraction"], df["roofline_ms"] / df["forward_ms"])
+
+
+@requires_cuda
+def test_sweep_on_cuda_in_bfloat16_fills_every_measured_column(tmp_path):
+    df = run_sweep(LinearCase(256, 128, 64), [1, 2], [8, 16], device="cuda", dtype=torch.bfloat16, warmup=1,
+                   repeats=2, progress=False, csv_path=tmp_path / "sweep.csv")
+    assert df["device"].eq("cuda").all() and df["dtype"].eq("bfloat16").all()
+    sketched = df[df["method"] == "sketched"]
+    measured = ["forward_ms", "forward_backward_ms", "peak_memory_bytes", "error_sketch", "error_svd",
+                "anchor_forward_ms", "roofline_ms", "roofline_fraction"]
+    assert (sketched[measured] > 0).all().all()
+    assert (df["roofline_fraction"].notna()).all()  # the dense row too: peaks were measured on the device
+    assert (sketched["peak_memory_bytes"] > 2 * sketched["stored_params"]).all()  # parameters plus activations
+    assert (sketched["error_svd"] < sketched["error_sketch"]).all()
+    assert len(pd.read_csv(tmp_path / "sweep.csv")) == 5
 
 
 def test_interrupted_sweep_keeps_the_rows_it_finished(tmp_path):
@@ -373,6 +416,16 @@ def test_bench_sklinear_reports_every_cpu_bar(tmp_path, capsys):
     assert (df["passed"] == (df["measured"] >= df["required"])).all()
     out = capsys.readouterr().out
     assert out.count("(required") == 3
+
+
+def test_bench_sklinear_draws_the_dense_layer_on_the_cpu(monkeypatch):
+    """Seeded on the CPU (the same layer on every device), not by reseeding CUDA's generators."""
+    bench = load_script("benchmarks/bench_sklinear.py")
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", reseeded.append)
+    first, second = (bench.Bench("cpu", torch.float32, 16, 2, 0, 1) for _ in range(2))
+    assert reseeded == []
+    assert torch.equal(first.dense.weight, second.dense.weight)
 
 
 def test_parameter_sweep_tutorial_runs(tmp_path):
