@@ -32,6 +32,7 @@ from .nn.low_rank_fit import relative_error
 from .nn.rank_selection import dense_size, select_config, sketch_size
 from .nn.skconv2d import SKConv2d
 from .nn.sklinear import INITS, SKLinear
+from .sketch.random import check_seed
 
 __all__ = [
     "convert",
@@ -190,6 +191,11 @@ def _unconvertible_reason(model: nn.Module, layer: _Layer, owners: Dict[int, Lis
         return "the root module cannot be replaced in place; wrap it in a container (e.g. nn.Sequential)"
     if layer.is_lazy:
         return "its parameters are not initialized yet (lazy module); run a forward pass first"
+    if module.weight.is_meta:
+        return (
+            "its weight is on the meta device (no values to fit); load the weights first, or rebuild "
+            "a converted layout with apply_conversion_config"
+        )
     base = nn.Conv2d if isinstance(module, nn.Conv2d) else nn.Linear
     for method in ("forward", "_conv_forward") if base is nn.Conv2d else ("forward",):
         if getattr(type(module), method) is not getattr(base, method):
@@ -478,14 +484,19 @@ def _fit(layer: _Layer, init: str, gram: Optional[Tensor], seed: Optional[int]) 
 
 
 def _swap(model: nn.Module, replacements: List[Tuple[str, nn.Module]]) -> None:
-    """Set each dotted name to its module; all or nothing."""
+    """Replace the module at each dotted name with its new module, at every place the
+    model holds that same module (a shared layer stays shared); all or nothing."""
+    aliases: Dict[int, List[str]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(fqn)
     done = []
     try:
         for fqn, new in replacements:
-            parent_name, _, child = fqn.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            done.append((parent, child, getattr(parent, child)))
-            setattr(parent, child, new)
+            for alias in aliases.get(id(model.get_submodule(fqn)), [fqn]):
+                parent_name, _, child = alias.rpartition(".")
+                parent = model.get_submodule(parent_name)
+                done.append((parent, child, getattr(parent, child)))
+                setattr(parent, child, new)
     except BaseException:
         for parent, child, old in reversed(done):
             setattr(parent, child, old)
@@ -493,8 +504,10 @@ def _swap(model: nn.Module, replacements: List[Tuple[str, nn.Module]]) -> None:
 
 
 def _stored_numel(model: nn.Module) -> int:
-    """Entries of the model's parameters and buffers (the U sketches included)."""
-    return sum(t.numel() for t in model.parameters()) + sum(t.numel() for t in model.buffers())
+    """Entries of the model's parameters and buffers (the U sketches included); those of
+    lazy modules, not materialized yet, count 0."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() for t in tensors if not nn.parameter.is_lazy(t))
 
 
 # --------------------------------------------------------------------------- public API
@@ -569,7 +582,7 @@ def convert(
         ``"converted"``, ``"kept dense"`` (no configuration within the budget beats
         dense) or ``"skipped"`` (cannot be swapped safely: weight tied to another module,
         read directly by its parent such as ``nn.MultiheadAttention.out_proj``, a subclass
-        overriding ``forward``, grouped convolution, lazy or root module), with the
+        overriding ``forward``, grouped convolution, lazy, meta-device or root module), with the
         ``reason``. Sizes count parameters; ``stored_params`` includes the U buffers.
         ``weight_error`` is ``‖Ŵ − W‖_F/‖W‖_F``; ``output_error`` is
         ``‖X(W − Ŵ)ᵀ‖_F/‖XWᵀ‖_F`` on the calibration data (NaN without it). ``df.attrs["summary"]`` holds a printable
@@ -593,8 +606,7 @@ def convert(
         raise TypeError(f"filter_fn must be a callable (module, fqn) -> bool, got {filter_fn!r}")
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise TypeError(f"seed must be an int or None, got {seed!r}")
+    seed = check_seed(seed)
     _check_calibration_data(calibration_data)
     if calibration_device is not None:
         if not isinstance(calibration_device, (str, torch.device)):

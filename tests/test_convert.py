@@ -413,6 +413,20 @@ def test_grouped_conv_and_root_module_are_skipped():
     assert report.loc[0, "status"] == "skipped" and "root module" in report.loc[0, "reason"]
 
 
+def test_lazy_and_meta_layers_are_skipped():
+    model = nn.Sequential(nn.LazyLinear(64), nn.Linear(64, 64))
+    report = convert(model, num_terms=1, low_rank=2, progress=False)
+    assert list(report["status"]) == ["skipped", "converted"]
+    assert "lazy module" in report.loc[0, "reason"]
+    assert isinstance(model[0], nn.LazyLinear) and isinstance(model[1], SKLinear)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.Conv2d(8, 16, 3))
+    report = convert(model, num_terms=1, low_rank=2, progress=False)
+    assert list(report["status"]) == ["skipped", "skipped"]
+    assert "meta device" in report.loc[0, "reason"]
+    assert [type(m) for m in model] == [nn.Linear, nn.Conv2d]
+
+
 # --------------------------------------------------------------------------- atomicity & calibration
 
 
@@ -600,6 +614,24 @@ def test_densify_round_trip_preserves_outputs():
     layer = SKLinear(16, 8, 1, 2, dtype=torch.float64)
     dense = densify(layer)
     torch.testing.assert_close(dense(torch.ones(2, 16, dtype=torch.float64)), layer(torch.ones(2, 16, dtype=torch.float64)))
+
+
+def test_densify_and_apply_conversion_config_keep_shared_layers_shared():
+    shared = SKLinear(16, 16, 1, 2, dtype=torch.float64)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    x = torch.randn(3, 16, dtype=torch.float64)
+    sketched_out = model(x)
+    densify(model)
+    assert type(model[0]) is nn.Linear and model[2] is model[0]
+    torch.testing.assert_close(model(x), sketched_out)
+
+    sketched = nn.Sequential(shared, nn.ReLU(), shared)
+    dense = nn.Linear(16, 16, dtype=torch.float64)
+    fresh = nn.Sequential(dense, nn.ReLU(), dense)
+    apply_conversion_config(fresh, conversion_config(sketched))
+    assert type(fresh[0]) is SKLinear and fresh[2] is fresh[0]
+    fresh.load_state_dict(sketched.state_dict())
+    torch.testing.assert_close(fresh(x), sketched_out, rtol=0, atol=0)
 
 
 def test_state_dict_loads_into_fresh_model_with_saved_config(tmp_path):

@@ -1,7 +1,9 @@
 """Sketching operators: apply agrees with the dense form, seeding, the JL moments, arguments."""
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -174,6 +176,10 @@ def test_generator_argument_draws_like_the_seed_and_advances(kind):
     assert torch.equal(build(kind, 8, 20).to_dense(), from_global)
     with pytest.raises(ValueError, match="either seed or generator"):
         build(kind, 8, 20, seed=1, generator=gen)
+    assert torch.equal(build(kind, 8, 20, seed=np.int64(11)).to_dense(), first.to_dense())
+    for bad in (1.5, "11", True):
+        with pytest.raises(TypeError, match="seed must be an int"):
+            build(kind, 8, 20, seed=bad)
 
 
 # --- statistics (Johnson–Lindenstrauss moments) -------------------------------------------------
@@ -308,3 +314,13 @@ def test_bad_inputs_raise(kind):
         S(torch.tensor(1.0))
     with pytest.raises(TypeError, match="expects a Tensor"):
         S.apply([1.0] * 9)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_deepcopy_and_pickle_after_apply_give_the_same_operator(sjlt_path, kind):
+    S = build(kind, 4, 9, seed=0)
+    x = torch.randn(3, 9)
+    expected = S(x)  # the SJLT CPU path caches a sparse CSR matrix here
+    for copied in (copy.deepcopy(S), pickle.loads(pickle.dumps(S))):
+        assert torch.equal(copied.to_dense(), S.to_dense())
+        torch.testing.assert_close(copied(x), expected)

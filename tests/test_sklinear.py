@@ -9,7 +9,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from panther_lite.nn import SKLinear
+from panther_lite.nn import SKConv2d, SKLinear
 from panther_lite.nn.functional import sketched_linear
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -231,6 +231,15 @@ def test_seed_reproduces_the_whole_default_layer():
         assert torch.equal(tensor, b.state_dict()[name]), name
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_non_integer_seed_is_a_type_error(device):
+    for bad in (1.5, "3"):
+        with pytest.raises(TypeError, match="seed must be an int"):
+            SKLinear(40, 48, 2, 2, seed=bad, device=device)
+        with pytest.raises(TypeError, match="seed must be an int"):
+            SKConv2d(4, 8, num_terms=1, low_rank=2, seed=bad, device=device)
+
+
 def test_seeded_sketches_do_not_depend_on_bias_or_call_path():
     W = torch.randn(48, 40)
     with_bias = SKLinear(40, 48, 2, 2, W_init=W, seed=5)
@@ -277,6 +286,8 @@ def test_invalid_init_and_w_init_shape_raise():
         SKLinear(8, 8, 1, 1, init="random")
     with pytest.raises(ValueError, match=r"\(6, 8\).*\(8, 6\)"):
         SKLinear(8, 6, 1, 1, W_init=torch.randn(8, 6))
+    with pytest.raises(TypeError, match="W_init must be a Tensor"):
+        SKLinear(2, 2, 1, 1, W_init=[[1.0, 0.0], [0.0, 1.0]])
 
 
 def test_wrong_input_size_raises_naming_expected_size():
@@ -292,6 +303,10 @@ def test_failed_reinitialisation_changes_nothing():
         layer.initialize_from_weight(torch.randn(5, 5, dtype=torch.float64))
     with pytest.raises(ValueError):
         layer.initialize_from_weight(torch.randn(6, 8, dtype=torch.float64), init="sketch", gram=torch.eye(8))
+    with pytest.raises(ValueError, match=r"gram must have shape .* \(8, 8\), got \(6, 6\)"):
+        layer.initialize_from_weight(torch.randn(6, 8, dtype=torch.float64), gram=torch.eye(6))
+    with pytest.raises(ValueError, match="gram must have shape"):
+        SKLinear.from_linear(nn.Linear(8, 6), 1, 2, gram=torch.eye(6))
     for name, tensor in layer.state_dict().items():
         assert torch.equal(tensor, before[name])
 

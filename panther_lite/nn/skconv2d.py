@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.nn.modules.utils import _pair
 
 from ..sketch.dense import sign_matrix
-from ..sketch.random import resolve_generator
+from ..sketch.random import check_seed, resolve_generator
 from .default_init import draw_dense_default, fill_bias_default_, rescale_to_default_
 from .low_rank_fit import decomposition_dtype, output_subspace
 from .rank_selection import SketchSize, dense_size, sketch_size
@@ -173,7 +173,7 @@ class SKConv2d(nn.Module):
         self.num_terms = num_terms
         self.low_rank = low_rank
         self.init = init
-        self.seed = seed
+        self.seed = check_seed(seed)
         fan_in = in_channels * self.kernel_size[0] * self.kernel_size[1]
         warn_if_larger_than_dense(
             f"SKConv2d({in_channels}, {out_channels}, kernel_size={self.kernel_size}, "

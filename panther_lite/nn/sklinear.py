@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from ..sketch.dense import sign_matrix
-from ..sketch.random import resolve_generator
+from ..sketch.random import check_seed, resolve_generator
 from .functional import sketched_linear
 from .low_rank_fit import decomposition_dtype, sketch_factors_from_weight
 from .default_init import draw_dense_default, fill_bias_default_, rescale_to_default_
@@ -95,6 +95,8 @@ class SKLinear(nn.Module):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         check_sketch_args(num_terms, low_rank, init)
+        if W_init is not None and not isinstance(W_init, Tensor):
+            raise TypeError(f"W_init must be a Tensor or None, got {type(W_init).__name__}")
         if W_init is not None and tuple(W_init.shape) != (out_features, in_features):
             raise ValueError(
                 f"W_init must have shape (out_features, in_features) = ({out_features}, {in_features}), "
@@ -105,7 +107,7 @@ class SKLinear(nn.Module):
         self.num_terms = num_terms
         self.low_rank = low_rank
         self.init = init
-        self.seed = seed
+        self.seed = check_seed(seed)
         warn_if_larger_than_dense(
             f"SKLinear({in_features}, {out_features}, num_terms={num_terms}, low_rank={low_rank})",
             sketch_size(in_features, out_features, num_terms, low_rank, bias),
@@ -161,8 +163,14 @@ class SKLinear(nn.Module):
             raise ValueError(
                 f"weight must have shape ({self.out_features}, {self.in_features}), got {tuple(weight.shape)}"
             )
-        if gram is not None and init != "svd":
-            raise ValueError("a calibration gram is only used by init='svd'")
+        if gram is not None:
+            if init != "svd":
+                raise ValueError("a calibration gram is only used by init='svd'")
+            if tuple(gram.shape) != (self.in_features, self.in_features):
+                raise ValueError(
+                    f"gram must have shape (in_features, in_features) = ({self.in_features}, {self.in_features}), "
+                    f"got {tuple(gram.shape)}"
+                )
         self._fit(weight, init, gram, resolve_generator(self.seed))
 
     @torch.no_grad()

@@ -289,6 +289,13 @@ class SJLTSketch(SketchOperator):
             self._csr_cache = cached
         return cached
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave out the CSR cache (``copy.deepcopy`` cannot copy a
+        sparse CSR tensor; it is rebuilt on the next ``apply``)."""
+        state = self.__dict__.copy()
+        state.pop("_csr_cache", None)
+        return state
+
     def _indices(self) -> Tensor:
         cols = torch.arange(self.n, device=self.device).repeat_interleave(self.nnz_per_column)
         return torch.stack((self.rows.reshape(-1), cols))
