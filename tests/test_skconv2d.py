@@ -317,6 +317,8 @@ def test_groups_and_bad_options_raise_clear_errors():
         SKConv2d.from_conv2d(nn.Linear(3, 3), 1, 1)
     with pytest.raises(ValueError, match="init='svd'"):
         SKConv2d.from_conv2d(nn.Conv2d(3, 3, 3), 1, 1, init="sketch", gram=torch.eye(27))
+    with pytest.raises(ValueError, match=r"gram must have shape \(C_in·kh·kw, C_in·kh·kw\) = \(27, 27\), got \(9, 9\)"):
+        SKConv2d.from_conv2d(nn.Conv2d(3, 3, 3), 1, 1, gram=torch.eye(9))
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from ..sketch.random import check_seed, resolve_generator
 from .default_init import draw_dense_default, fill_bias_default_, rescale_to_default_
 from .low_rank_fit import decomposition_dtype, output_subspace
 from .rank_selection import SketchSize, dense_size, sketch_size
-from .sklinear import check_sketch_args, warn_if_larger_than_dense
+from .sklinear import check_gram, check_sketch_args, warn_if_larger_than_dense
 
 __all__ = ["SKConv2d", "conv_sketch_size"]
 
@@ -250,14 +250,7 @@ class SKConv2d(nn.Module):
         expected = (self.out_channels, self.in_channels, *self.kernel_size)
         if tuple(weight.shape) != expected:
             raise ValueError(f"weight must have shape (C_out, C_in, kh, kw) = {expected}, got {tuple(weight.shape)}")
-        if gram is not None:
-            if init != "svd":
-                raise ValueError("a calibration gram is only used by init='svd'")
-            if tuple(gram.shape) != (self.fan_in, self.fan_in):
-                raise ValueError(
-                    f"gram must have shape (C_in·kh·kw, C_in·kh·kw) = ({self.fan_in}, {self.fan_in}), "
-                    f"got {tuple(gram.shape)}"
-                )
+        check_gram(gram, init, self.fan_in, "C_in·kh·kw")
         self._fit(weight, init, gram, resolve_generator(self.seed))
 
     @torch.no_grad()
@@ -342,8 +335,7 @@ class SKConv2d(nn.Module):
         """
         if not isinstance(conv, nn.Conv2d):
             raise TypeError(f"from_conv2d expects an nn.Conv2d, got {type(conv).__name__}")
-        if gram is not None and init != "svd":
-            raise ValueError("a calibration gram is only used by init='svd'")
+        check_gram(gram, init, conv.weight[0].numel(), "C_in·kh·kw")
         layer = cls(
             conv.in_channels,
             conv.out_channels,

@@ -30,6 +30,18 @@ def check_sketch_args(num_terms: int, low_rank: int, init: str) -> None:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
 
 
+def check_gram(gram: Optional[Tensor], init: str, fan_in: int, fan_in_name: str) -> None:
+    """Validate an optional calibration Gram ``(fan_in, fan_in)`` (raises ValueError)."""
+    if gram is None:
+        return
+    if init != "svd":
+        raise ValueError("a calibration gram is only used by init='svd'")
+    if tuple(gram.shape) != (fan_in, fan_in):
+        raise ValueError(
+            f"gram must have shape ({fan_in_name}, {fan_in_name}) = ({fan_in}, {fan_in}), got {tuple(gram.shape)}"
+        )
+
+
 def warn_if_larger_than_dense(layer_name: str, size: SketchSize, dense: int) -> None:
     """Warn when a configuration stores more than the dense layer it replaces."""
     if size.stored > dense:
@@ -163,14 +175,7 @@ class SKLinear(nn.Module):
             raise ValueError(
                 f"weight must have shape ({self.out_features}, {self.in_features}), got {tuple(weight.shape)}"
             )
-        if gram is not None:
-            if init != "svd":
-                raise ValueError("a calibration gram is only used by init='svd'")
-            if tuple(gram.shape) != (self.in_features, self.in_features):
-                raise ValueError(
-                    f"gram must have shape (in_features, in_features) = ({self.in_features}, {self.in_features}), "
-                    f"got {tuple(gram.shape)}"
-                )
+        check_gram(gram, init, self.in_features, "in_features")
         self._fit(weight, init, gram, resolve_generator(self.seed))
 
     @torch.no_grad()
@@ -237,8 +242,7 @@ class SKLinear(nn.Module):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
         check_sketch_args(num_terms, low_rank, init)
-        if gram is not None and init != "svd":
-            raise ValueError("a calibration gram is only used by init='svd'")
+        check_gram(gram, init, linear.in_features, "in_features")
         layer = cls(
             linear.in_features,
             linear.out_features,
