@@ -106,7 +106,8 @@ class SKConv2d(nn.Module):
 
     Shape:
         - Input: ``(N, C_in, H, W)`` or unbatched ``(C_in, H, W)``; channels_last inputs
-          give channels_last outputs.
+          give channels_last outputs (except with ``padding_mode="circular"``, whose
+          ``F.pad`` returns a contiguous tensor, as for ``nn.Conv2d``).
         - Output: ``(N, C_out, H_out, W_out)`` or ``(C_out, H_out, W_out)``, sizes as in
           ``nn.Conv2d``.
 
