@@ -1,5 +1,9 @@
-"""panther_lite: low-rank sketched layers for PyTorch."""
-from . import benchmark, nn, sketch
+"""panther_lite: low-rank sketched layers for PyTorch (public API re-exports)."""
+from __future__ import annotations
+
+import importlib
+
+from . import nn, sketch
 from .nn import SKConv2d, SKLinear
 from .convert import apply_conversion_config, conversion_config, conversion_summary, convert, densify
 
@@ -18,3 +22,12 @@ __all__ = [
     "sketch",
     "__version__",
 ]
+
+_LAZY_SUBMODULES = ("benchmark",)
+
+
+def __getattr__(name: str):
+    # The measurement library needs pandas and matplotlib: import it only when asked for.
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

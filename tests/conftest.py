@@ -1,0 +1,29 @@
+"""Shared test configuration: the ``cuda`` marker (skips cleanly without a CUDA device)
+and fixtures several test packages use."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    """The checkout's root directory (scripts, tutorials and docs live under it)."""
+    return ROOT
