@@ -2,12 +2,14 @@
 
 Grid (the anchor's): kernel 3/5/9 × image 64/128/256, every size configurable. Writes
 ``<output dir>/skconv2d_<dtype>.csv`` and ``.png`` (default output dir
-``benchmarks/results/<device>``, as ``benchmarks/sweep.py``) with the median times, the
-speed-up ``dense_ms / sketched_ms`` and the FLOP ratio it is bounded by. Forward rows
-also time the anchor's per-term formulation of the same layer
+``benchmarks/out/<device>``, git-ignored, as ``benchmarks/sweep.py``). Dense, sketched and
+(forward only) the anchor's per-term formulation of the same layer
 (:func:`panther_lite.benchmark.anchor_conv2d`, ``2L`` convolutions whose outputs are
-stacked and averaged): ``anchor_ms`` and ``anchor_speedup = anchor_ms / sketched_ms``
-(empty for forward+backward: that formulation is a forward-only baseline).
+stacked and averaged) are timed in alternation; each row has the median times, the
+number of rounds (``repeats``), the speed-up ``dense / sketched`` (median of the
+per-round ratios, ``speedup_iqr`` its IQR) beside the FLOP ratio that bounds it, and
+``anchor_ms``, ``anchor_speedup`` = anchor / sketched with its IQR (empty for
+forward+backward: that formulation is a forward-only baseline).
 
     python benchmarks/bench_skconv2d.py                      # CPU, small default sizes
     python benchmarks/bench_skconv2d.py --device cuda --dtype bfloat16 --channels 256 --batch 16
@@ -20,28 +22,34 @@ import math
 import sys
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
+import torch
+import torch.nn as nn
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
+from panther_lite.benchmark import (
+    Conv2dCase,
+    Spread,
+    anchor_conv2d,
+    device_name,
+    forward_backward_step,
+    forward_step,
+    ignore_size_warnings,
+    new_figure,
+    paired_ratio,
+    save_figure,
+    time_interleaved,
+)
+from panther_lite.benchmark.cli import DTYPES, non_negative_int, positive_int
+from panther_lite.nn import SKConv2d
 
-from panther_lite.benchmark import anchor_conv2d, device_name, ignore_size_warnings, time_callable  # noqa: E402
-from panther_lite.nn import SKConv2d  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep import non_negative_int, positive_int  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+OUT = Path(__file__).resolve().parent / "out"
 MODES = ("forward", "forward+backward")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default: cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--kernels", type=positive_int, nargs="+", default=[3, 5, 9])
     parser.add_argument("--images", type=positive_int, nargs="+", default=[64, 128, 256], help="square image sides")
     parser.add_argument("--channels", type=positive_int, default=32, help="C_in = C_out")
@@ -50,101 +58,75 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--low-rank", type=positive_int, default=4, help="k (the layer has rank 2Lk)")
     parser.add_argument("--warmup", type=non_negative_int, default=1)
     parser.add_argument("--repeats", type=positive_int, default=3)
-    parser.add_argument("--output-dir", type=Path, default=None, help="default: benchmarks/results/<device>")
+    parser.add_argument("--output-dir", type=Path, default=None, help="default: benchmarks/out/<device> (git-ignored)")
     args = parser.parse_args(argv)
-    args.output_dir = args.output_dir or RESULTS / torch.device(args.device).type
+    args.output_dir = args.output_dir or OUT / torch.device(args.device).type
     return args
 
 
-def conv_flops(batch: int, out_hw: int, fan_in: int, fan_out: int) -> int:
-    """Multiply-adds ×2 of one convolution producing ``batch × fan_out × out_hw`` outputs."""
-    return 2 * batch * out_hw * fan_in * fan_out
+def layers(channels: int, kernel: int, num_terms: int, low_rank: int, channels_last: bool, device, dtype):
+    """``nn.Conv2d(channels, channels, kernel, padding="same")``, its SKConv2d (random
+    sketch of its kernel) and the anchor's per-term formulation, in the memory format asked."""
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    dense = nn.Conv2d(channels, channels, kernel, padding="same", device=device, dtype=dtype)
+    with ignore_size_warnings():  # large L·k on tiny convs store more than dense
+        sketched = SKConv2d.from_conv2d(dense, num_terms, low_rank, init="sketch", seed=0)
+    dense.to(memory_format=memory_format)
+    sketched.to(memory_format=memory_format)
+    return dense, sketched, anchor_conv2d(sketched)
 
 
-def make_step(module, x: torch.Tensor, mode: str):
-    """A callable running one forward (no autograd graph) or one forward+backward of
-    ``module`` (an ``nn.Module``; for ``"forward"`` any callable of ``x``)."""
+def timings(dense, sketched, anchor, x, mode: str, args: argparse.Namespace) -> dict:
+    """Dense, sketched and (forward only) anchor timed in alternation: medians and the
+    median per-round speed-ups with their IQRs."""
     if mode == "forward":
-
-        def step():
-            with torch.no_grad():
-                return module(x)
-
-        return step
-    x = x.detach().requires_grad_()
-    inputs = [x, *(p for p in module.parameters() if p.requires_grad)]
-    with torch.no_grad():
-        grad_out = torch.randn_like(module(x))
-
-    def step():
-        return torch.autograd.grad(module(x), inputs, grad_out)
-
-    return step
+        steps = {"dense": forward_step(dense, x), "sketched": forward_step(sketched, x), "anchor": forward_step(anchor, x)}
+    else:
+        steps = {"dense": forward_backward_step(dense, x), "sketched": forward_backward_step(sketched, x)}
+    samples = time_interleaved(steps, device=x.device, warmup=args.warmup, repeats=args.repeats)
+    speedup = paired_ratio(samples["dense"], samples["sketched"])
+    anchor = paired_ratio(samples["anchor"], samples["sketched"]) if "anchor" in samples else None
+    return dict(
+        repeats=args.repeats, dense_ms=Spread.of(samples["dense"]).median, sketched_ms=Spread.of(samples["sketched"]).median,
+        speedup=speedup.median, speedup_iqr=speedup.iqr,
+        anchor_ms=Spread.of(samples["anchor"]).median if anchor else math.nan,
+        anchor_speedup=anchor.median if anchor else math.nan, anchor_speedup_iqr=anchor.iqr if anchor else math.nan,
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> pd.DataFrame:
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
     c, L, k = args.channels, args.num_terms, args.low_rank
     rows = []
     for kernel, image, channels_last in itertools.product(args.kernels, args.images, (False, True)):
-        memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        dense = nn.Conv2d(c, c, kernel, padding="same", device=device, dtype=dtype)
-        with ignore_size_warnings():  # large L·k on tiny convs store more than dense
-            sketched = SKConv2d.from_conv2d(dense, L, k, init="sketch", seed=0)
-        dense.to(memory_format=memory_format)
-        sketched.to(memory_format=memory_format)
-        anchor = anchor_conv2d(sketched)
-        x = torch.randn(args.batch, c, image, image, device=device, dtype=dtype).to(memory_format=memory_format)
-        fan_in = c * kernel * kernel
-        dense_flops = conv_flops(args.batch, image * image, fan_in, c)
-        sketch_flops = conv_flops(args.batch, image * image, fan_in, 2 * L * k) + conv_flops(
-            args.batch, image * image, 2 * L * k, c
-        )
+        dense, sketched, anchor = layers(c, kernel, L, k, channels_last, device, dtype)
+        x = torch.randn(args.batch, c, image, image, device=device, dtype=dtype)
+        x = x.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        case = Conv2dCase(c, c, args.batch, image, kernel)
         for mode in MODES:
-            modules = {"dense": dense, "sketched": sketched, **({"anchor": anchor} if mode == "forward" else {})}
-            times = {
-                name: time_callable(make_step(module, x, mode), device=device, warmup=args.warmup, repeats=args.repeats)
-                for name, module in modules.items()
-            }
-            anchor_ms = times.get("anchor", math.nan)
-            rows.append(
-                dict(
-                    device=str(device),
-                    device_name=device_name(device),
-                    dtype=args.dtype,
-                    batch=args.batch,
-                    channels=c,
-                    kernel=kernel,
-                    image=image,
-                    channels_last=channels_last,
-                    mode=mode,
-                    num_terms=L,
-                    low_rank=k,
-                    dense_ms=times["dense"],
-                    sketched_ms=times["sketched"],
-                    speedup=times["dense"] / times["sketched"],
-                    flop_ratio=dense_flops / sketch_flops,
-                    anchor_ms=anchor_ms,
-                    anchor_speedup=anchor_ms / times["sketched"],
-                )
-            )
-            anchor_text = "" if math.isnan(anchor_ms) else (
-                f"  anchor {anchor_ms:9.3f} ms  anchor/SK {rows[-1]['anchor_speedup']:.2f}x"
-            )
-            print(
-                f"k={kernel} img={image} cl={channels_last!s:5} {mode:16} dense {times['dense']:9.3f} ms  "
-                f"sk {times['sketched']:9.3f} ms  speed-up {rows[-1]['speedup']:.2f}x "
-                f"(FLOPs {rows[-1]['flop_ratio']:.2f}x){anchor_text}",
-                flush=True,
-            )
+            rows.append(dict(
+                device=str(device), device_name=device_name(device), dtype=args.dtype, batch=args.batch, channels=c,
+                kernel=kernel, image=image, channels_last=channels_last, mode=mode, num_terms=L, low_rank=k,
+                **timings(dense, sketched, anchor, x, mode, args), flop_ratio=case.dense_flops() / case.sketch_flops(L, k),
+            ))  # fmt: skip
+            print(line(rows[-1]), flush=True)
     return pd.DataFrame(rows)
+
+
+def line(row: dict) -> str:
+    anchor = "" if math.isnan(row["anchor_ms"]) else f"  anchor {row['anchor_ms']:9.3f} ms  anchor/SK {row['anchor_speedup']:.2f}x"
+    return (
+        f"k={row['kernel']} img={row['image']} cl={row['channels_last']!s:5} {row['mode']:16} dense "
+        f"{row['dense_ms']:9.3f} ms  sk {row['sketched_ms']:9.3f} ms  speed-up {row['speedup']:.2f}x "
+        f"(IQR {row['speedup_iqr']:.2f}; FLOPs {row['flop_ratio']:.2f}x){anchor}"
+    )
 
 
 def plot(frame: pd.DataFrame, path: Path) -> None:
     """Speed-up vs image size, one panel per (mode, memory format), one colour per kernel:
     over nn.Conv2d (measured and FLOP bound) and, for the forward, over the anchor."""
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True, squeeze=False)
+    fig = new_figure(figsize=(10, 7))
+    axes = fig.subplots(2, 2, sharex=True, squeeze=False)
     for row, mode in enumerate(MODES):
         for col, channels_last in enumerate((False, True)):
             ax = axes[row][col]
@@ -166,12 +148,10 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
         f"SKConv2d vs nn.Conv2d on {first['device_name']} ({first['dtype']}, batch {first['batch']}, "
         f"C={first['channels']}, L={first['num_terms']}, k={first['low_rank']})"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     frame = run(args)
     args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -179,7 +159,8 @@ def main(argv=None) -> None:
     frame.to_csv(stem.with_suffix(".csv"), index=False)
     plot(frame, stem.with_suffix(".png"))
     print(f"wrote {stem}.csv and {stem}.png")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

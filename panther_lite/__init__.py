@@ -5,7 +5,17 @@ import importlib
 
 from . import nn, sketch
 from .nn import SKConv2d, SKLinear
-from .convert import apply_conversion_config, conversion_config, conversion_summary, convert, densify
+from .conversion import (
+    ConversionError,
+    apply_conversion_config,
+    conversion_config,
+    conversion_summary,
+    convert,
+    densify,
+    from_pretrained,
+    save_pretrained,
+)
+from .conversion.tune import tune
 
 __version__ = "0.1.0"
 

@@ -33,7 +33,7 @@ def html(tmp_path_factory) -> Path:
 
 
 def test_build_is_warning_free_and_has_every_page(html):
-    for page in ("index", "math", "workflows", "training", "benchmarks", "panther_comparison", "api"):
+    for page in ("index", "math", "workflows", "huggingface", "training", "benchmarks", "panther_comparison", "api"):
         assert (html / f"{page}.html").is_file(), page
 
 
@@ -44,7 +44,7 @@ def test_api_reference_documents_the_public_names(html):
 
     names = {f"panther_lite.nn.{n}" for n in nn.__all__} | {f"panther_lite.sketch.{n}" for n in sketch.__all__}
     names |= {f"panther_lite.benchmark.{n}" for n in getattr(benchmark, "__all__", ["time_callable"])}
-    names |= {"panther_lite.convert.convert", "panther_lite.convert.densify"}
+    names |= {"panther_lite.conversion.convert", "panther_lite.conversion.densify"}
     missing = sorted(n for n in names if f'id="{n}"' not in api)
     assert not missing, f"not in the API reference: {missing}"
     assert callable(panther_lite.convert) and callable(panther_lite.densify)

@@ -1,32 +1,28 @@
-"""The tutorials this file owns run end to end at tiny sizes (``--quick``), print their
-results and write their plots; their helpers measure what they claim to.
+"""The tutorials run end to end at tiny sizes (``--quick``), print their results and write
+their plots; their helpers measure what they claim to. Nothing here depends on timing:
+only that times were measured, never their values or their order.
 
-(``compress_model.py`` and ``parameter_sweep.py`` are tested by their own test files.)
+(``compress_model.py`` is tested by its own test file.)
 """
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
+import re
 from pathlib import Path
 
+import pandas as pd
 import torch
-import torch.nn as nn
 
 from panther_lite.nn import SKLinear
 
 TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
 
 
-def run_tutorial(name: str, out_dir: Path) -> str:
-    result = subprocess.run(
-        [sys.executable, str(TUTORIALS / name), "--quick", "--device", "cpu", "--output-dir", str(out_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    return result.stdout
+def run_tutorial(name: str, out_dir: Path, capsys) -> str:
+    """Run a tutorial's ``main`` in this process (no second interpreter to start) at tiny
+    sizes on the CPU; returns what it printed."""
+    load_tutorial(name).main(["--quick", "--device", "cpu", "--output-dir", str(out_dir)])
+    return capsys.readouterr().out
 
 
 def load_tutorial(name: str):
@@ -36,36 +32,25 @@ def load_tutorial(name: str):
     return module
 
 
-def test_replace_dense_layers_runs_and_saves_its_plot(tmp_path):
-    out = run_tutorial("replace_dense_layers.py", tmp_path)
+def test_replace_dense_layers_runs_and_saves_its_plot(tmp_path, capsys):
+    out = run_tutorial("replace_dense_layers.py", tmp_path, capsys)
     for expected in ("dense: test accuracy", "sketched: test accuracy", "nn.Linear: forward", "speed-up over nn.Linear",
                      "training-forward memory"):
         assert expected in out
     assert (tmp_path / "replace_dense_layers.png").stat().st_size > 0
 
 
-def test_performance_runs_every_section_and_saves_plot_and_trace(tmp_path):
-    out = run_tutorial("performance.py", tmp_path)
+def test_performance_runs_every_section_and_saves_plot_and_trace(tmp_path, capsys):
+    out = run_tutorial("performance.py", tmp_path, capsys)
     for section in range(1, 7):
         assert f"== {section}." in out
-    assert "panther_lite::sketched_linear" in out  # the profiler sees the custom op
+    # the profiler saw the custom op: looked up by name, not by its rank in a table sorted by time
+    seen = re.search(r"saw the custom op panther_lite::sketched_linear (\d+) times", out)
+    assert seen and int(seen.group(1)) >= 3, out[-3000:]
     assert "outputs equal" in out
     assert "vs the anchor's per-term formulation" in out and "saved for backward" in out
     assert (tmp_path / "performance.png").stat().st_size > 0
     assert (tmp_path / "trace.json").stat().st_size > 0
-
-
-def test_make_mlp_sketches_hidden_layers_only():
-    tutorial = load_tutorial("replace_dense_layers.py")
-    model = tutorial.make_mlp([12, 40, 40, 3], num_terms=1, low_rank=2)
-    kinds = [type(m) for m in model if not isinstance(m, nn.ReLU)]
-    assert kinds == [SKLinear, SKLinear, nn.Linear]
-    trainable, stored = tutorial.parameter_counts(model)
-    sketched = [m.parameter_counts() for m in model if isinstance(m, SKLinear)]
-    assert trainable == sum(s.trainable for s in sketched) + 40 * 3 + 3
-    assert stored == sum(s.stored for s in sketched) + 40 * 3 + 3
-    dense = tutorial.make_mlp([12, 40, 3])
-    assert all(isinstance(m, (nn.Linear, nn.ReLU)) for m in dense)
 
 
 def test_performance_memory_section_reports_the_library_measurements():
@@ -100,3 +85,14 @@ def test_replace_dense_layers_reports_memory_on_the_cpu():
     # training forward on the CPU = parameters + saved activations (x; and x plus x·U2, batch × Lk)
     assert dense["training_memory_mib"] * 2**20 == (dense["stored_params"] + batch * width) * 4
     assert sketched["training_memory_mib"] * 2**20 == (sketched["stored_params"] + batch * width + batch * 2) * 4
+
+
+def test_parameter_sweep_tutorial_runs(tmp_path, capsys):
+    out = run_tutorial("parameter_sweep.py", tmp_path, capsys)
+    for section in range(1, 5):
+        assert f"== {section}." in out
+    assert "Pareto front" in out
+    sweep = pd.read_csv(tmp_path / "sweep.csv")
+    assert len(sweep) == 5 and sweep["error_svd"].notna().all()
+    for name in ("heatmaps.png", "tradeoff.png"):
+        assert (tmp_path / name).stat().st_size > 1000

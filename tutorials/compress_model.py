@@ -1,8 +1,9 @@
-"""Tutorial: compress a trained model with panther_lite.convert, fine-tune, save and reload.
+"""Tutorial: compress a trained model with panther_lite.convert, tune it, fine-tune, save and reload.
 
 Workflow 2 of panther_lite. We
 
-1. train a dense MLP on scikit-learn's bundled digits data set (8×8 images, 10 classes);
+1. train a dense MLP on scikit-learn's bundled digits data set (8×8 images, 10 classes) with
+   :mod:`panther_lite.benchmark.tasks` (one loader, one split, one training loop);
 2. convert copies of it *in place* with :func:`panther_lite.convert` at several budgets
    (``param_ratio``: stored size of each converted layer, U sketch buffers included, as a
    fraction of the dense layer) with each init:
@@ -15,16 +16,21 @@ Workflow 2 of panther_lite. We
    the classifier head stays dense (``exclude_modules``): at these budgets it could keep
    only a rank or two of its 10 outputs;
 3. fine-tune each converted model briefly and compare test accuracy against stored size;
-4. save a converted model (``state_dict`` + :func:`panther_lite.conversion_config` as
+4. spend one budget well: ``allocation="global"`` (one budget for all layers, given where the
+   whitened spectra say it buys the most), ``sequential=True`` (each layer fitted to the
+   original outputs from the inputs the compressed layers before it now give it), and
+   :func:`panther_lite.tune` (the smallest budget within one point of dense accuracy);
+5. save a converted model (``state_dict`` + :func:`panther_lite.conversion_config` as
    JSON), load it into a fresh dense model with
    :func:`panther_lite.apply_conversion_config`, and turn it back into a dense model with
    :func:`panther_lite.densify`.
 
 Run ``python tutorials/compress_model.py --help`` for options; ``--quick`` uses tiny sizes
-(seconds on a laptop CPU). The results table and a plot of accuracy against stored size are
-written to ``--output-dir`` as ``compress_model_digits.csv`` and ``compress_model_digits.png``
-(the full run's CPU results are committed under ``benchmarks/results/cpu``); the saved
-checkpoint of step 4 goes to a temporary directory.
+(seconds on a laptop CPU). The results tables and a plot of accuracy against stored size are
+written to ``--output-dir`` as ``compress_model_digits.csv`` (step 2/3),
+``compress_model_workflow.csv`` (step 4) and ``compress_model_digits.png`` (the full run's CPU
+results are committed under ``benchmarks/results/cpu``); the saved checkpoint of step 5 goes
+to a temporary directory.
 """
 from __future__ import annotations
 
@@ -34,67 +40,32 @@ import json
 import tempfile
 from pathlib import Path
 
-import matplotlib
+import pandas as pd
+import torch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-
-import panther_lite  # noqa: E402
+import panther_lite
+from panther_lite.benchmark import count_parameters, new_figure, save_figure
+from panther_lite.benchmark.tasks import accuracy, load_digits_split, mlp_classifier, train_classifier
+from panther_lite.conversion.tune import plot_search, tune  # tune is also panther_lite.tune
 
 RESULTS_STEM = "compress_model_digits"
+WORKFLOW_STEM = "compress_model_workflow"
+HEAD = "4"  # the classifier head of mlp_classifier([64, h, h, 10])
 
 INITS = {
     "sketch": lambda x: dict(init="sketch", seed=0),
     "svd": lambda x: dict(init="svd"),
-    "calibrated": lambda x: dict(init="svd", calibration_data=x.split(256)),
+    "calibrated": lambda x: dict(init="svd", calibration_data=list(x.split(256))),
 }
-
-
-def digits(device):
-    """Pixels scaled to [0, 1], split 50/50 with a fixed permutation."""
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16
-    y = torch.tensor(data.target)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    cut = len(x) // 2
-    train, test = perm[:cut], perm[cut:]
-    return (x[train].to(device), y[train].to(device)), (x[test].to(device), y[test].to(device))
-
-
-def make_mlp(hidden):
-    """``64 → hidden → hidden → 10`` with ReLU; the head is module ``"4"``."""
-    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
-
-
-def fit(model, data, epochs, lr, seed):
-    """AdamW (weight decay 1.0) on mini-batches of 64; returns the model in eval mode."""
-    torch.manual_seed(seed)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=1.0)
-    x, y = data
-    model.train()
-    for _ in range(epochs):
-        for idx in torch.randperm(len(x), device=x.device).split(64):
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-    return model.eval()
-
-
-@torch.no_grad()
-def accuracy(model, data):
-    x, y = data
-    return (model(x).argmax(1) == y).float().mean().item()
 
 
 def stored_params(model):
     """Parameters plus buffers (the fixed U sketches are stored, though never trained)."""
-    return sum(t.numel() for t in list(model.parameters()) + list(model.buffers()))
+    return count_parameters(model).stored
+
+
+def fine_tune(model, train_set, epochs, seed):
+    train_classifier(model, train_set, epochs=epochs, lr=1e-3, weight_decay=1.0, seed=seed)
 
 
 def compress_sweep(dense, train_set, test_set, ratios, finetune_epochs, seed):
@@ -104,10 +75,10 @@ def compress_sweep(dense, train_set, test_set, ratios, finetune_epochs, seed):
         for init, kwargs in INITS.items():
             model = copy.deepcopy(dense)
             report = panther_lite.convert(
-                model, param_ratio=ratio, exclude_modules=["4"], progress=False, **kwargs(train_set[0])
+                model, param_ratio=ratio, exclude_modules=[HEAD], progress=False, **kwargs(train_set.x)
             )
             converted = accuracy(model, test_set)
-            fit(model, train_set, finetune_epochs, 1e-3, seed)
+            fine_tune(model, train_set, finetune_epochs, seed)
             rows.append(
                 dict(
                     param_ratio=ratio,
@@ -123,16 +94,44 @@ def compress_sweep(dense, train_set, test_set, ratios, finetune_epochs, seed):
     return pd.DataFrame(rows)
 
 
+def workflow(dense, train_set, test_set, ratio):
+    """One budget spent three ways, then the budget tune finds for "within 1 point"."""
+    calibration = list(train_set.x.split(256))
+    common = dict(exclude_modules=[HEAD], calibration_data=calibration, progress=False)
+    options = {
+        "uniform": dict(allocation="uniform"),
+        "global": dict(allocation="global"),
+        "global + sequential": dict(allocation="global", sequential=True),
+    }
+    rows = []
+    for name, extra in options.items():
+        model = copy.deepcopy(dense)
+        report = panther_lite.convert(model, param_ratio=ratio, **common, **extra)
+        ranks = ", ".join(f"{r.name}: rank {r.low_rank}" for r in report.itertuples() if r.status == "converted")
+        print(f"{name:<20} accuracy {accuracy(model, test_set):.3f}  ({ranks})")
+        rows.append(dict(method=name, budget=ratio, stored_params=stored_params(model), accuracy=accuracy(model, test_set)))
+    model = copy.deepcopy(dense)
+    report = tune(model, lambda m: accuracy(m, test_set), tolerance=0.01, **common)
+    search = report.attrs["search"]
+    print(f"tune: budget {report.attrs['tune_budget']:.3f} after {len(search) - 1} evaluations (dense first):")
+    print(search.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    rows.append(
+        dict(method="tune (within 1 point)", budget=report.attrs["tune_budget"], stored_params=stored_params(model),
+             accuracy=accuracy(model, test_set))
+    )
+    return pd.DataFrame(rows), report
+
+
 def save_and_reload(model, hidden, checkpoint_dir, test_set):
     """Save a converted model to ``checkpoint_dir``, rebuild it in a fresh dense MLP, and densify it again."""
     torch.save(model.state_dict(), checkpoint_dir / "compressed.pt")
     (checkpoint_dir / "compressed.json").write_text(json.dumps(panther_lite.conversion_config(model), indent=1))
-    fresh = make_mlp(hidden).to(test_set[0].device)
+    fresh = mlp_classifier([64, hidden, hidden, 10]).to(test_set.x.device)
     panther_lite.apply_conversion_config(fresh, json.loads((checkpoint_dir / "compressed.json").read_text()))
     fresh.load_state_dict(torch.load(checkpoint_dir / "compressed.pt", weights_only=True))
     fresh.eval()
     with torch.no_grad():
-        same = torch.equal(fresh(test_set[0]), model(test_set[0]))
+        same = torch.equal(fresh(test_set.x), model(test_set.x))
     dense_again = panther_lite.densify(copy.deepcopy(fresh))
     print(
         f"reloaded with weights_only=True: outputs identical={same}, accuracy {accuracy(fresh, test_set):.3f}; "
@@ -140,8 +139,9 @@ def save_and_reload(model, hidden, checkpoint_dir, test_set):
     )
 
 
-def plot(table, dense_accuracy, dense_size, path):
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+def plot(table, dense_accuracy, dense_size, tuned, path):
+    fig = new_figure(figsize=(12, 4.5))
+    ax, search_ax = fig.subplots(1, 2)
     for (init, group), color in zip(table.groupby("init", sort=False), ("tab:red", "tab:blue", "tab:green")):
         group = group.sort_values("stored_params")
         ax.plot(group["stored_params"], group["accuracy"], "o-", color=color, label=f"{init}: converted")
@@ -154,9 +154,9 @@ def plot(table, dense_accuracy, dense_size, path):
         title="digits MLP compressed with panther_lite.convert",
     )
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_search(tuned, ax=search_ax)
+    search_ax.set_title("panther_lite.tune: accuracy within 1 point of dense")
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv=None):
@@ -170,15 +170,14 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device(args.device)
     hidden = 64 if args.quick else args.hidden
     epochs, finetune_epochs = (2, 1) if args.quick else (args.epochs, args.finetune_epochs)
     ratios = (0.5, 0.25) if args.quick else (0.5, 0.25, 0.125, 0.0625)
-    train_set, test_set = digits(device)
+    train_set, test_set = load_digits_split(test_fraction=0.5, seed=0, device=args.device)
 
-    print(f"== 1. Train a dense MLP 64→{hidden}→{hidden}→10 on digits ({epochs} epochs, {device}) ==")
-    torch.manual_seed(args.seed)
-    dense = fit(make_mlp(hidden).to(device), train_set, epochs, 2e-3, args.seed)
+    print(f"== 1. Train a dense MLP 64→{hidden}→{hidden}→10 on digits ({epochs} epochs, {args.device}) ==")
+    dense = mlp_classifier([64, hidden, hidden, 10], seed=args.seed).to(args.device)
+    train_classifier(dense, train_set, epochs=epochs, lr=2e-3, weight_decay=1.0, seed=args.seed)
     dense_accuracy, dense_size = accuracy(dense, test_set), stored_params(dense)
     print(f"dense: test accuracy {dense_accuracy:.3f}, {dense_size:,} parameters")
 
@@ -186,18 +185,25 @@ def main(argv=None):
     table = compress_sweep(dense, train_set, test_set, ratios, finetune_epochs, args.seed)
     table = table.assign(dense_accuracy=dense_accuracy, dense_stored_params=dense_size)
 
-    print("\n== 4. Save, reload into a fresh model, densify ==")
+    print("\n== 4. One budget for all layers, sequential fits, and tune ==")
+    workflow_table, tuned = workflow(dense, train_set, test_set, 0.25)
+
+    print("\n== 5. Save, reload into a fresh model, densify ==")
     model = copy.deepcopy(dense)
-    panther_lite.convert(model, param_ratio=0.25, exclude_modules=["4"], calibration_data=train_set[0].split(256), progress=False)
+    panther_lite.convert(
+        model, param_ratio=0.25, exclude_modules=[HEAD], calibration_data=list(train_set.x.split(256)), progress=False
+    )
     with tempfile.TemporaryDirectory() as checkpoint_dir:
         save_and_reload(model, hidden, Path(checkpoint_dir), test_set)
 
     print(f"\n== Results (dense accuracy {dense_accuracy:.3f}, {dense_size:,} stored params) ==")
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(workflow_table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     csv_path, png_path = args.output_dir / f"{RESULTS_STEM}.csv", args.output_dir / f"{RESULTS_STEM}.png"
     table.to_csv(csv_path, index=False)
-    plot(table, dense_accuracy, dense_size, png_path)
-    print(f"\nwrote {csv_path} and {png_path}")
+    workflow_table.to_csv(args.output_dir / f"{WORKFLOW_STEM}.csv", index=False)
+    plot(table, dense_accuracy, dense_size, tuned, png_path)
+    print(f"\nwrote {csv_path}, {args.output_dir / (WORKFLOW_STEM + '.csv')} and {png_path}")
     return table
 
 

@@ -3,10 +3,13 @@
 A sketched layer's cost depends on ``L·k`` only, its accuracy on the init and the
 spectrum of the weight it replaces. This script uses :mod:`panther_lite.benchmark` to
 
-1. time a layer properly (warm-up, median of repeats, CUDA events on a GPU);
+1. time a layer properly: warm-up, CUDA events on a GPU, and the layer in alternation
+   with ``nn.Linear`` (:func:`~panther_lite.benchmark.compare`), so that other work on the
+   machine slows both alike — the median ratio and its interquartile range;
 2. count its memory: parameters, buffers and the activations saved for backward;
 3. sweep an ``L × k`` grid against ``nn.Linear`` (and the anchor's per-term
-   formulation), collecting a DataFrame — and a CSV written row by row;
+   formulation), each configuration timed in alternation with the dense layer,
+   collecting a DataFrame — and a CSV written row by row;
 4. read the result: the cheapest configuration within an error budget, the Pareto
    front of error against time, and the heatmap and trade-off plots.
 
@@ -23,13 +26,14 @@ import torch.nn as nn
 
 from panther_lite.benchmark import (
     LinearCase,
+    compare,
+    forward_step,
     pareto_front,
     parameter_bytes,
     plot_heatmaps,
     plot_tradeoff,
     run_sweep,
     saved_activation_bytes,
-    time_callable,
 )
 from panther_lite.nn import SKLinear
 
@@ -42,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--error-budget", type=float, default=0.3, help="largest acceptable relative output error")
-    parser.add_argument("--output-dir", type=Path, default=Path("parameter_sweep_output"))
+    parser.add_argument("--output-dir", type=Path, default=Path("tutorial_outputs/parameter_sweep"))
     return parser.parse_args(argv)
 
 
@@ -59,10 +63,12 @@ def main(argv=None) -> None:
     dense = nn.Linear(case.in_features, case.out_features, device=device, dtype=dtype)
     layer = SKLinear(case.in_features, case.out_features, 1, grid[1][-1], device=device, dtype=dtype, seed=0)
     x = torch.randn(case.batch_size, case.in_features, device=device, dtype=dtype)
-    with torch.no_grad():
-        dense_ms = time_callable(lambda: dense(x), device=device, warmup=warmup, repeats=repeats)
-        layer_ms = time_callable(lambda: layer(x), device=device, warmup=warmup, repeats=repeats)
-    print(f"nn.Linear forward {dense_ms:.3f} ms, SKLinear(L=1, k={layer.low_rank}) forward {layer_ms:.3f} ms")
+    timings = compare(forward_step(layer, x), forward_step(dense, x), device=device, warmup=warmup, repeats=repeats)
+    print(
+        f"nn.Linear forward {timings['reference_ms']:.3f} ms, SKLinear(L=1, k={layer.low_rank}) forward "
+        f"{timings['sketched_ms']:.3f} ms (medians of {repeats} alternating rounds): speed-up "
+        f"{timings['measured']:.2f}x, IQR {timings['measured_iqr']:.2f}"
+    )
 
     print("\n== 2. Memory ==")
     x.requires_grad_(True)
@@ -74,7 +80,8 @@ def main(argv=None) -> None:
     print("\n== 3. Sweep ==")
     csv_path = args.output_dir / "sweep.csv"
     df = run_sweep(case, *grid, device=device, dtype=dtype, warmup=warmup, repeats=repeats, csv_path=csv_path)
-    columns = ["method", "num_terms", "low_rank", "stored_params", "forward_ms", "speedup", "error_sketch", "error_svd"]
+    columns = ["method", "num_terms", "low_rank", "stored_params", "forward_ms", "speedup", "speedup_iqr", "error_sketch",
+               "error_svd"]  # fmt: skip
     print(df[columns].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"rows written as measured to {csv_path}")
 

@@ -20,7 +20,9 @@ Sections (each prints what it measured; plots go to ``--output-dir``):
    time of an aligned against an unaligned rank.
 4. Mixed-precision training with ``torch.autocast`` (bf16) and fp16 with
    ``torch.amp.GradScaler`` (the current spellings; ``torch.cuda.amp`` is deprecated).
-5. Profiling a training step with ``torch.profiler`` (a Chrome trace is saved).
+5. Profiling a training step with ``torch.profiler`` (a Chrome trace is saved); the
+   custom op is looked up by name in ``key_averages()`` (a table sorted by time shows
+   whichever rows were slowest in that run).
 6. Compiling for production with ``torch.compile(fullgraph=True)``.
 
 Everything runs on the CPU when there is no GPU (``--quick``: tiny sizes, seconds).
@@ -31,27 +33,30 @@ import argparse
 import time
 from pathlib import Path
 
-import matplotlib
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from panther_lite.benchmark import (  # noqa: E402
+from panther_lite.benchmark import (
     anchor_linear,
+    forward_step,
+    new_figure,
     parameter_bytes,
+    save_figure,
     saved_activation_bytes,
     time_callable,
     training_memory_bytes,
 )
-from panther_lite.nn import SKLinear, align_rank, select_config, tensor_core_multiple  # noqa: E402
+from panther_lite.nn import SKLinear, align_rank, select_config, tensor_core_multiple
+
+CUSTOM_OP = "panther_lite::sketched_linear"
 
 
 def naive_ms(fn, repeats):
-    """The common mistake: wall-clock around the calls, no warm-up, no synchronisation."""
+    """The common mistake, shown for contrast (every other number here comes from
+    :func:`~panther_lite.benchmark.time_callable`): wall-clock around the calls, no
+    warm-up, no synchronisation."""
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
@@ -64,10 +69,7 @@ def section_timing(device, width, batch, num_terms, low_rank, warmup, repeats):
     anchor = anchor_linear(layer)
     x = torch.randn(batch, width, device=device)
 
-    @torch.no_grad()
-    def forward():
-        layer(x)
-
+    forward = forward_step(layer, x)
     naive = naive_ms(forward, repeats)
     proper = time_callable(forward, device=device, warmup=warmup, repeats=repeats)
     how = "CUDA events around each call, synchronised" if device.type == "cuda" else "perf_counter around each call"
@@ -75,8 +77,7 @@ def section_timing(device, width, batch, num_terms, low_rank, warmup, repeats):
     print(f"time_callable (warm-up, median; {how}): {proper:.3f} ms")
     if device.type == "cuda":
         print("on a GPU the naive number is the time to *launch* the kernels; CUDA events time the kernels")
-    with torch.no_grad():
-        anchor_ms = time_callable(lambda: anchor(x), device=device, warmup=warmup, repeats=repeats)
+    anchor_ms = time_callable(forward_step(anchor, x), device=device, warmup=warmup, repeats=repeats)
     print(
         f"SKLinear(L={num_terms}, k={low_rank}) {proper:.3f} ms vs the anchor's per-term formulation "
         f"{anchor_ms:.3f} ms: {anchor_ms / proper:.2f}x"
@@ -134,8 +135,7 @@ def section_tensor_cores(device, width, batch, warmup, repeats):
     times = {}
     for rank in (aligned, aligned + 1):
         layer = SKLinear(width, width, 1, rank, device=device, dtype=dtype, seed=0)
-        with torch.no_grad():
-            times[rank] = time_callable(lambda: layer(x), device=device, warmup=warmup, repeats=repeats)
+        times[rank] = time_callable(forward_step(layer, x), device=device, warmup=warmup, repeats=repeats)
         print(f"low_rank={rank:4d} ({'aligned' if rank % multiple == 0 else 'unaligned'}): {times[rank]:.3f} ms")
     if device.type != "cuda":
         print("(no tensor cores on a CPU: the difference here is only the extra rank)")
@@ -207,10 +207,14 @@ def section_profiling(device, width, batch, output_dir):
     if device.type == "cuda":
         torch.cuda.synchronize()
     sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort_by, row_limit=8))
+    events = prof.key_averages()
+    print(events.table(sort_by=sort_by, row_limit=8))  # the rows and their order depend on timing
+    calls = sum(event.count for event in events if event.key == CUSTOM_OP)
+    print(f"the profiler saw the custom op {CUSTOM_OP} {calls} times (found by name, not by rank in the table)")
     trace = output_dir / "trace.json"
     prof.export_chrome_trace(str(trace))
     print(f"Chrome trace saved to {trace} (open in chrome://tracing or https://ui.perfetto.dev)")
+    return calls
 
 
 def section_compile(device, width, batch, warmup, repeats):
@@ -221,8 +225,8 @@ def section_compile(device, width, batch, warmup, repeats):
     compiled = torch.compile(model, mode=mode, fullgraph=True)  # fullgraph: fail loudly on graph breaks
     with torch.inference_mode():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
-        eager = time_callable(lambda: model(x), device=device, warmup=warmup, repeats=repeats)
-        fast = time_callable(lambda: compiled(x), device=device, warmup=warmup, repeats=repeats)
+    eager = time_callable(forward_step(model, x, inference_mode=True), device=device, warmup=warmup, repeats=repeats)
+    fast = time_callable(forward_step(compiled, x, inference_mode=True), device=device, warmup=warmup, repeats=repeats)
     print(f"eager {eager:.3f} ms, torch.compile(mode={mode!r}, fullgraph=True) {fast:.3f} ms; outputs equal")
     return {"eager": eager, "compiled": fast}
 
@@ -246,7 +250,8 @@ def main(argv=None):
     section_profiling(device, width, batch, args.output_dir)
     compiled = section_compile(device, width, batch, warmup, repeats)
 
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    fig = new_figure(figsize=(18, 4))
+    axes = fig.subplots(1, 4)
     panels = [
         (axes[0], timings, "ms", "forward time: method, anchor"),
         (axes[1], {**{k: v["training"] / 2**20 for k, v in memory.items()}, "anchor per-term\noutputs": per_term / 2**20},
@@ -262,10 +267,7 @@ def main(argv=None):
         axes[3].plot(range(1, len(losses) + 1), losses, marker="o", label=name)
     axes[3].set(xlabel="step", ylabel="loss", title=f"mixed precision (compiled {compiled['compiled']:.2f} ms)")
     axes[3].legend()
-    fig.tight_layout()
-    path = args.output_dir / "performance.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    path = save_figure(fig, args.output_dir / "performance.png", dpi=100)
     print(f"\nplot saved to {path}")
 
 

@@ -4,8 +4,10 @@ Workflow 1 of panther_lite. We
 
 1. build the same MLP twice — once with ``nn.Linear`` hidden layers, once with
    ``SKLinear`` (``y = 1/(2L) Σ_i (x S1_i U1_i + x U2_i S2_i) + b``) in their place;
-2. train both on scikit-learn's bundled digits data set (8×8 images, 10 classes) and
-   compare test accuracy and parameter counts (trainable *and* stored: the fixed U
+2. train both on scikit-learn's bundled digits data set (8×8 images, 10 classes) with
+   :mod:`panther_lite.benchmark`'s digits task (:func:`~panther_lite.benchmark.load_digits_split`,
+   :func:`~panther_lite.benchmark.mlp_classifier`, :func:`~panther_lite.benchmark.train_classifier`)
+   and compare test accuracy and parameter counts (trainable *and* stored: the fixed U
    sketch buffers are stored but never trained);
 3. measure one wide layer's forward and forward+backward time (median of repeated,
    synchronised runs via :func:`panther_lite.benchmark.time_callable`), its stored
@@ -22,85 +24,30 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import matplotlib
+import torch
+import torch.nn as nn
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-
-from panther_lite.benchmark import parameter_bytes, time_callable, training_memory_bytes  # noqa: E402
-from panther_lite.nn import SKLinear  # noqa: E402
-
-
-def make_mlp(widths, num_terms=None, low_rank=None, seed=0):
-    """An MLP ``widths[0] → … → widths[-1]`` with ReLU between layers.
-
-    With ``num_terms``/``low_rank`` every hidden layer is an ``SKLinear``; the small
-    classifier head stays an ``nn.Linear`` (sketching it would save nothing). ``seed``
-    fixes the sketch buffers, as every data-parallel rank should.
-    """
-    layers = []
-    pairs = list(zip(widths[:-1], widths[1:]))
-    for i, (fan_in, fan_out) in enumerate(pairs):
-        last = i == len(pairs) - 1
-        if num_terms is None or last:
-            layers.append(nn.Linear(fan_in, fan_out))
-        else:
-            layers.append(SKLinear(fan_in, fan_out, num_terms=num_terms, low_rank=low_rank, seed=seed + i))
-        if not last:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
-
-
-def parameter_counts(model):
-    """``(trainable, stored)``: parameters, and parameters plus buffers (the U sketches)."""
-    trainable = sum(p.numel() for p in model.parameters())
-    return trainable, trainable + sum(b.numel() for b in model.buffers())
-
-
-def digits(device):
-    """Standardised digits features, split 80/20 with a fixed permutation."""
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32)
-    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
-    y = torch.tensor(data.target)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    cut = int(0.8 * len(x))
-    train, test = perm[:cut], perm[cut:]
-    return (x[train].to(device), y[train].to(device)), (x[test].to(device), y[test].to(device))
-
-
-def train(model, train_set, test_set, epochs, batch_size, lr, seed):
-    """Adam on mini-batches; returns per-epoch training losses and the test accuracy."""
-    torch.manual_seed(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    x, y = train_set
-    losses = []
-    for _ in range(epochs):
-        model.train()
-        order = torch.randperm(len(x), device=x.device)
-        total = 0.0
-        for start in range(0, len(x), batch_size):
-            idx = order[start : start + batch_size]
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total += loss.item() * len(idx)
-        losses.append(total / len(x))
-    model.eval()
-    with torch.no_grad():
-        accuracy = (model(test_set[0]).argmax(1) == test_set[1]).float().mean().item()
-    return losses, accuracy
+from panther_lite.benchmark import (
+    accuracy,
+    count_parameters,
+    forward_backward_step,
+    forward_step,
+    load_digits_split,
+    mlp_classifier,
+    new_figure,
+    parameter_bytes,
+    save_figure,
+    time_callable,
+    train_classifier,
+    training_memory_bytes,
+)
+from panther_lite.nn import SKLinear
 
 
 def layer_costs(width, batch, num_terms, low_rank, device, dtype, warmup, repeats):
     """Time (ms), stored parameters and memory (MiB) of one ``width × width`` layer on a
     ``batch × width`` input, dense vs sketched: one dict per layer."""
-    x = torch.randn(batch, width, device=device, dtype=dtype, requires_grad=True)
+    x = torch.randn(batch, width, device=device, dtype=dtype)
     rows = []
     for name, layer in (
         ("nn.Linear", nn.Linear(width, width, device=device, dtype=dtype)),
@@ -109,19 +56,15 @@ def layer_costs(width, batch, num_terms, low_rank, device, dtype, warmup, repeat
             SKLinear(width, width, num_terms, low_rank, device=device, dtype=dtype, seed=0),
         ),
     ):
-        def step(layer=layer):
-            layer(x).sum().backward()
-
-        with torch.no_grad():
-            forward_ms = time_callable(lambda layer=layer: layer(x), device=device, warmup=warmup, repeats=repeats)
+        timing = dict(device=device, warmup=warmup, repeats=repeats)
         rows.append(
             dict(
                 layer=name,
-                forward_ms=forward_ms,
-                train_step_ms=time_callable(step, device=device, warmup=warmup, repeats=repeats),
-                stored_params=parameter_counts(layer)[1],
+                forward_ms=time_callable(forward_step(layer, x), **timing),
+                train_step_ms=time_callable(forward_backward_step(layer, x), **timing),
+                stored_params=count_parameters(layer).stored,
                 parameter_mib=parameter_bytes(layer) / 2**20,
-                training_memory_mib=training_memory_bytes(layer, x) / 2**20,
+                training_memory_mib=training_memory_bytes(layer, x.detach().requires_grad_(True)) / 2**20,
             )
         )
     return rows
@@ -143,7 +86,7 @@ def main(argv=None):
     hidden = 64 if args.quick else 512
     epochs = 2 if args.quick else args.epochs
     widths = [64, hidden, hidden, 10]
-    train_set, test_set = digits(device)
+    train_set, test_set = load_digits_split(test_fraction=0.2, seed=0, device=device)
 
     print(f"== 1. Train an MLP {widths} on digits ({epochs} epochs, {device}) ==")
     results = {}
@@ -151,14 +94,13 @@ def main(argv=None):
         ("dense", {}),
         ("sketched", dict(num_terms=args.num_terms, low_rank=args.low_rank)),
     ):
-        torch.manual_seed(args.seed)
-        model = make_mlp(widths, seed=args.seed, **kwargs).to(device)
-        losses, accuracy = train(model, train_set, test_set, epochs, 64, 3e-3, args.seed)
-        trainable, stored = parameter_counts(model)
+        model = mlp_classifier(widths, seed=args.seed, **kwargs).to(device)
+        losses = train_classifier(model, train_set, epochs=epochs, lr=3e-3, seed=args.seed)
+        counts = count_parameters(model)
         results[name] = losses
         print(
-            f"{name:>9}: test accuracy {accuracy:.3f}, final loss {losses[-1]:.4f}, "
-            f"trainable params {trainable:,}, stored (with U buffers) {stored:,}"
+            f"{name:>9}: test accuracy {accuracy(model, test_set):.3f}, final loss {losses[-1]:.4f}, "
+            f"trainable params {counts.trainable:,}, stored (with U buffers) {counts.stored:,}"
         )
 
     width = 128 if args.quick else 4096
@@ -181,7 +123,8 @@ def main(argv=None):
         f"training-forward memory dense/sketched {dense['training_memory_mib'] / sketched['training_memory_mib']:.2f}x"
     )
 
-    fig, (ax_loss, ax_time, ax_memory) = plt.subplots(1, 3, figsize=(15, 4))
+    fig = new_figure(figsize=(15, 4))
+    ax_loss, ax_time, ax_memory = fig.subplots(1, 3)
     for name, losses in results.items():
         ax_loss.plot(range(1, len(losses) + 1), losses, marker="o", label=name)
     ax_loss.set(xlabel="epoch", ylabel="training loss", title="digits MLP")
@@ -198,10 +141,7 @@ def main(argv=None):
     ax_memory.set_xticks(positions.tolist(), labels)
     ax_memory.set(ylabel="MiB", title="memory")
     ax_memory.legend()
-    fig.tight_layout()
-    path = args.output_dir / "replace_dense_layers.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    path = save_figure(fig, args.output_dir / "replace_dense_layers.png", dpi=100)
     print(f"\nplot saved to {path}")
 
 

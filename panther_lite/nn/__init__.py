@@ -1,12 +1,16 @@
 """Sketched layers, their operator and tensor-core-aligned rank selection."""
 from .functional import sketched_linear
+from .layer_base import SketchedLayer
 from .rank_selection import SketchSize, align_rank, dense_size, select_config, sketch_size, tensor_core_multiple
-from .skconv2d import SKConv2d, conv_sketch_size
+from .skconv import SKConv1d, SKConv2d, SKConv3d, conv_sketch_size
 from .sklinear import SKLinear
 
 __all__ = [
     "SKLinear",
+    "SKConv1d",
     "SKConv2d",
+    "SKConv3d",
+    "SketchedLayer",
     "conv_sketch_size",
     "sketched_linear",
     "SketchSize",

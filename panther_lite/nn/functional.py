@@ -1,27 +1,40 @@
 """The sketched-linear operator: ``y = scale · ((x·S1)·U1 + (x·U2)·S2) + b``.
 
-It is a ``torch.library`` custom op with its own backward, so that
+:func:`sketched_linear` picks one of three routes, all computing the same rank-``2Lk``
+product (never a per-term ``L × batch × out`` temporary):
 
-* the whole layer is one rank-``2Lk`` product — never a per-term ``L × batch × out``
-  temporary. Two schedules compute it, picked by the number of rows:
+* **the custom op** ``panther_lite::sketched_linear`` when a gradient is needed or under
+  ``torch.compile``/``torch.export``: a ``torch.library`` op with its own backward, which
+  saves only what the requested gradients need (``x`` for ``S1``, ``x·U2`` for ``S2``) and
+  computes no gradient for the fixed ``U`` buffers. ``torch.compile(fullgraph=True)`` sees
+  one opaque op (no graph break) and ``torch.export`` keeps it. Two schedules, picked by
+  the number of rows:
 
   - *stacked* (``rows >= 4·L·k``): ``h = x·[S1 | U2]`` then ``y = h·[U1; S2]``, two wide
     GEMMs that read ``x`` and write ``y`` once — what a memory-bound layer (small rank,
-    many rows) needs; the factors are concatenated per call, which is cheap next to ``x``;
+    many rows) needs; the factors are concatenated per call (they change every training
+    step), which is cheap next to ``x``;
   - *split* (fewer rows): ``x·S1`` and ``x·U2`` accumulated into one output, with no
     per-call copy of the factors, which would dominate for a handful of rows;
 
-* backward saves only what the requested gradients need (``x`` for ``S1``, ``x·U2`` for
-  ``S2``) and computes no gradient for the fixed ``U`` buffers;
-* ``torch.compile(fullgraph=True)`` sees one opaque op (no graph break),
-  ``torch.export`` keeps it, and ``torch.func.vmap`` has a batching rule (batched inputs
-  fold into rows; stacked parameters, e.g. model ensembles, use batched matmuls).
-  ``torch.func.grad`` is not supported: PyTorch's custom-op autograd does not compose
-  with functorch transforms; use ``torch.autograd``.
+* **plain GEMMs** when no gradient is needed (``torch.no_grad``/``torch.inference_mode``,
+  or nothing requires grad), in eager mode: the stacked schedule for every row count,
+  with the concatenated factors ``[S1 | U2]`` and ``scale·[U1; S2]`` cached per layer
+  (:mod:`~panther_lite.nn.factor_cache`), so a call is two GEMM launches and little host
+  time (operands cast per call, e.g. under autocast, take the op's two schedules uncached);
+* **composable torch ops** under a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``,
+  ``jacfwd``, ``jacrev``, ``hessian``) or forward-mode AD (``torch.autograd.forward_ad``):
+  custom-op autograd does not compose with them, so these see ordinary matmuls, whose
+  derivatives PyTorch knows. The op keeps a ``vmap`` batching rule for direct calls.
 
-Autocast is applied by :func:`sketched_linear` before the op is called (custom ops are
-not cast by autocast on their own), so every autocast dtype works and the casts are
-recorded by autograd: fp32 master parameters receive fp32 gradients.
+The scale never follows an unscaled product: it is ``addmm``'s ``alpha`` inside the GEMM,
+or folded into the small right-hand factors first (cache, composable ops). With
+``init="svd"`` the fixed sketch ``U1`` (and the trainable ``S2``) carry the factor ``2L``,
+so an unscaled float16 product could overflow where the layer's output does not.
+
+Autocast is applied by :func:`sketched_linear` before any route (custom ops are not cast
+by autocast on their own), so every autocast dtype works and the casts are recorded by
+autograd: fp32 master parameters receive fp32 gradients.
 """
 from __future__ import annotations
 
@@ -29,8 +42,12 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch._C._functorch import peek_interpreter_stack
+from torch.autograd import forward_ad
 
-__all__ = ["sketched_linear"]
+from .factor_cache import clear_factor_cache, stacked_factors
+
+__all__ = ["sketched_linear", "clear_factor_cache"]
 
 _STACKED_ROWS_PER_RANK = 4
 
@@ -42,6 +59,22 @@ def _stacked(rows: int, rank: int) -> bool:
     return rows >= _STACKED_ROWS_PER_RANK * rank
 
 
+def _scaled_product(bias: Optional[Tensor], a: Tensor, b: Tensor, scale: float) -> Tensor:
+    """``scale · a·b (+ bias)`` with the scale applied inside the GEMM (no unscaled fp16 product)."""
+    if bias is None:
+        return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=scale)
+    return torch.addmm(bias, a, b, alpha=scale)
+
+
+def _split_product(
+    x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float
+) -> Tuple[Tensor, Tensor]:
+    """The split schedule: ``(y, x·U2)`` with ``y`` of shape ``(rows, out)``."""
+    x_U2 = x @ U2
+    out = _scaled_product(bias, x @ S1, U1, scale)
+    return out.addmm_(x_U2, S2, alpha=scale), x_U2
+
+
 @torch.library.custom_op("panther_lite::sketched_linear", mutates_args=())
 def _sketched_linear_op(
     x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float
@@ -49,13 +82,9 @@ def _sketched_linear_op(
     rank = S1.shape[1]
     if _stacked(x.shape[0], rank):
         hidden = x @ torch.cat((S1, U2), dim=1)
-        right = torch.cat((U1, S2), dim=0)
-        out = torch.mm(hidden, right).mul_(scale) if bias is None else torch.addmm(bias, hidden, right, alpha=scale)
+        out = _scaled_product(bias, hidden, torch.cat((U1, S2), dim=0), scale)
         return out, hidden[:, rank:].clone()
-    x_U2 = x @ U2
-    out = torch.mm(x @ S1, U1).mul_(scale) if bias is None else torch.addmm(bias, x @ S1, U1, alpha=scale)
-    out.addmm_(x_U2, S2, alpha=scale)
-    return out, x_U2
+    return _split_product(x, S1, U1, U2, S2, bias, scale)
 
 
 @_sketched_linear_op.register_fake
@@ -119,16 +148,24 @@ def _(info, in_dims, x, S1, U1, U2, S2, bias, scale):
     x, S1, U1, U2, S2 = (t if d is None else t.movedim(d, 0) for t, d in zip((x, S1, U1, U2, S2), in_dims))
     x = x if x_dim is not None else x.expand(info.batch_size, *x.shape)
     x_U2 = x @ U2
-    out = scale * ((x @ S1) @ U1 + x_U2 @ S2)
+    out = _composable_product(x, S1, U1, U2, S2, None, scale)
     if bias is not None:
         out = out + (bias if bias_dim is None else bias.movedim(bias_dim, 0).unsqueeze(1))
     return (out, x_U2), (0, 0)
 
 
-def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
+def _composable_product(
+    x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float
+) -> Tensor:
+    """The product with out-of-place torch ops only, for functorch transforms and forward AD.
+    The scale goes on the small ``U1``/``S2`` first so no unscaled product is formed."""
+    out = (x @ S1) @ (U1 * scale) + (x @ U2) @ (S2 * scale)
+    return out if bias is None else out + bias
+
+
+def _under_transform() -> bool:
+    """Whether a ``torch.func`` transform or a forward-AD dual level is active."""
+    return peek_interpreter_stack() is not None or forward_ad._current_level >= 0
 
 
 def _autocast(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -136,11 +173,23 @@ def _autocast(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
 
 
+def _cast_operands(x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor]) -> tuple:
+    """The sketches in the factors' dtype, then autocast's casts (none when it is off)."""
+    if U1.dtype != S1.dtype or U2.dtype != S1.dtype:
+        U1, U2 = U1.to(S1.dtype), U2.to(S1.dtype)
+    # _is_any_autocast_enabled is one cheap call; the per-device query only runs under autocast
+    if torch._C._is_any_autocast_enabled():
+        device_type = x.device.type
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            x, S1, U1, U2, S2 = (_autocast(t, dtype) for t in (x, S1, U1, U2, S2))
+            bias = None if bias is None else _autocast(bias, dtype)
+    return x, S1, U1, U2, S2, bias
+
+
 def _check_operands(x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor]) -> None:
-    if U1.requires_grad or U2.requires_grad:
-        raise ValueError("U1 and U2 are fixed sketches and get no gradient; train S1 and S2 instead")
-    named = [("input", x), ("S1", S1), ("U1", U1), ("U2", U2), ("S2", S2)] + ([("bias", bias)] if bias is not None else [])
-    for name, t in named[1:]:
+    named = [("S1", S1), ("U1", U1), ("U2", U2), ("S2", S2)] + ([("bias", bias)] if bias is not None else [])
+    for name, t in named:
         if t.dtype != x.dtype:
             raise TypeError(
                 f"sketched_linear: {name} has dtype {t.dtype} but the input has {x.dtype}; "
@@ -148,6 +197,44 @@ def _check_operands(x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, b
             )
         if t.device != x.device:
             raise ValueError(f"sketched_linear: {name} is on {t.device} but the input is on {x.device}")
+
+
+def _needs_grad(x: Tensor, S1: Tensor, S2: Tensor, bias: Optional[Tensor]) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return x.requires_grad or S1.requires_grad or S2.requires_grad or (bias is not None and bias.requires_grad)
+
+
+def _no_grad_product(
+    x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float, cacheable: bool
+) -> Tensor:
+    """Plain GEMMs, no autograd: two with the cached stacked factors, else either schedule."""
+    if cacheable:
+        left, right = stacked_factors(S1, U1, U2, S2, scale)
+        hidden = torch.mm(x, left)
+        return torch.mm(hidden, right) if bias is None else torch.addmm(bias, hidden, right)
+    if _stacked(x.shape[0], S1.shape[1]):
+        hidden = torch.mm(x, torch.cat((S1, U2), dim=1))
+        return _scaled_product(bias, hidden, torch.cat((U1, S2), dim=0), scale)
+    return _split_product(x, S1, U1, U2, S2, bias, scale)[0]
+
+
+def _rows_product(
+    x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float, cacheable: bool
+) -> Tensor:
+    """``(rows, in) -> (rows, out)`` by the route this call needs (see the module docstring)."""
+    if not torch.compiler.is_compiling():
+        if _under_transform():
+            _check_operands(x, S1, U1, U2, S2, bias)
+            return _composable_product(x, S1, U1, U2, S2, bias, scale)
+        if not _needs_grad(x, S1, S2, bias):
+            try:
+                return _no_grad_product(x, S1, U1, U2, S2, bias, scale, cacheable)
+            except RuntimeError:
+                _check_operands(x, S1, U1, U2, S2, bias)  # checked lazily: the clear error for mismatched operands
+                raise
+    _check_operands(x, S1, U1, U2, S2, bias)
+    return _sketched_linear_op(x, S1, U1, U2, S2, bias, scale)[0]
 
 
 def sketched_linear(
@@ -169,13 +256,11 @@ def sketched_linear(
     floating inputs except float64 are cast to the autocast dtype, as for ``F.linear``;
     otherwise the input must have the parameters' dtype (TypeError) and device.
     """
-    U1, U2 = U1.to(S1.dtype), U2.to(S1.dtype)
-    cast_dtype = _autocast_dtype(x.device.type)
-    if cast_dtype is not None:
-        x, S1, U1, U2, S2 = (_autocast(t, cast_dtype) for t in (x, S1, U1, U2, S2))
-        bias = None if bias is None else _autocast(bias, cast_dtype)
-    _check_operands(x, S1, U1, U2, S2, bias)
+    if U1.requires_grad or U2.requires_grad:
+        raise ValueError("U1 and U2 are fixed sketches and get no gradient; train S1 and S2 instead")
+    x, S1c, U1c, U2c, S2c, bias = _cast_operands(x, S1, U1, U2, S2, bias)
+    cacheable = S1c is S1 and U1c is U1 and U2c is U2 and S2c is S2  # no per-call copies to cache
     if x.dim() == 2:
-        return _sketched_linear_op(x, S1, U1, U2, S2, bias, scale)[0]
-    out, _ = _sketched_linear_op(x.reshape(-1, x.shape[-1]), S1, U1, U2, S2, bias, scale)
+        return _rows_product(x, S1c, U1c, U2c, S2c, bias, scale, cacheable)
+    out = _rows_product(x.reshape(-1, x.shape[-1]), S1c, U1c, U2c, S2c, bias, scale, cacheable)
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -10,7 +10,7 @@ stores ``fan_in·fan_out`` plus the bias. Cost depends on ``L·k`` only, so a bu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -21,7 +21,14 @@ __all__ = [
     "sketch_size",
     "dense_size",
     "select_config",
+    "largest_rank",
+    "tensor_cores_apply",
+    "resolve_rank_multiple",
+    "MAX_ALIGNMENT_WASTE",
 ]
+
+MAX_ALIGNMENT_WASTE = 0.1
+"""Largest share of a layer's budget that rounding ``low_rank`` to a multiple may leave unused."""
 
 _MULTIPLE_BY_DTYPE = {
     torch.float16: 8,
@@ -78,6 +85,40 @@ def dense_size(fan_in: int, fan_out: int, bias: bool = True) -> int:
     return fan_in * fan_out + (fan_out if bias else 0)
 
 
+def tensor_cores_apply(device: Optional[torch.device], dtype: Optional[torch.dtype]) -> bool:
+    """Whether a GEMM of ``dtype`` on ``device`` runs on tensor cores: CUDA with fp16/bf16,
+    int8 or float8, or float32 while TF32 matmuls are allowed
+    (``torch.backends.cuda.matmul.allow_tf32``). Never on CPU or for float64."""
+    if device is None or torch.device(device).type != "cuda" or dtype is None:
+        return False
+    if dtype == torch.float32:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    return dtype != torch.float64 and (dtype in _MULTIPLE_BY_DTYPE or "float8" in str(dtype))
+
+
+def resolve_rank_multiple(align: Union[None, str, int], device: Optional[torch.device], dtype: Optional[torch.dtype]) -> int:
+    """The multiple ``low_rank`` is rounded to for a layer on ``device`` at ``dtype``.
+
+    ``align="auto"``: :func:`tensor_core_multiple` of ``dtype`` where the layer runs on tensor
+    cores (:func:`tensor_cores_apply`), else 1; ``None``: 1 (no rounding); an int ``m >= 1``: ``m``.
+    """
+    if align is None:
+        return 1
+    if align == "auto":
+        return tensor_core_multiple(dtype) if tensor_cores_apply(device, dtype) else 1
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f'align must be None, "auto" or an integer >= 1, got {align!r}')
+    return align
+
+
+def largest_rank(fan_in: int, fan_out: int, budget: float, *, num_terms: int = 1, bias: bool = True) -> int:
+    """The largest ``low_rank`` whose stored size is at most ``budget`` entries (0 if none)."""
+    rank = int((budget - (fan_out if bias else 0)) // (2 * num_terms * (fan_in + fan_out)))
+    while rank >= 1 and sketch_size(fan_in, fan_out, num_terms, rank, bias).stored > budget:
+        rank -= 1  # guards the float division above against rounding up
+    return max(rank, 0)
+
+
 def select_config(
     fan_in: int,
     fan_out: int,
@@ -86,23 +127,33 @@ def select_config(
     num_terms: int = 1,
     dtype: Optional[torch.dtype] = None,
     bias: bool = True,
-) -> Optional[tuple]:
+    multiple: Optional[int] = None,
+    max_waste: float = MAX_ALIGNMENT_WASTE,
+) -> Optional[Tuple[int, int]]:
     """Choose ``(num_terms, low_rank)`` whose *stored* size is at most ``param_ratio`` of
-    the dense layer's.
+    the dense layer's, filling that budget.
 
-    ``low_rank`` is the largest rank that fits, rounded down to
-    :func:`tensor_core_multiple` of ``dtype`` when that leaves a nonzero rank. Returns
-    None when not even ``low_rank = 1`` fits the budget.
+    ``low_rank`` is the largest rank that fits, rounded down to ``multiple`` when the rounded
+    rank is nonzero and still stores at least ``1 - max_waste`` (default 90%) of the budget;
+    otherwise the largest is kept. ``multiple`` defaults to
+    :func:`tensor_core_multiple` of ``dtype`` when ``dtype`` is given, else 1 (no rounding;
+    :func:`resolve_rank_multiple` says when a layer runs on tensor cores). Returns None when
+    not even ``low_rank = 1`` fits the budget.
     """
     if not param_ratio > 0:
         raise ValueError(f"param_ratio must be > 0, got {param_ratio}")
     if num_terms < 1:
         raise ValueError(f"num_terms must be >= 1, got {num_terms}")
-    budget = param_ratio * dense_size(fan_in, fan_out, bias) - (fan_out if bias else 0)
-    low_rank = int(budget // (2 * num_terms * (fan_in + fan_out)))
-    limit = param_ratio * dense_size(fan_in, fan_out, bias)
-    while low_rank >= 1 and sketch_size(fan_in, fan_out, num_terms, low_rank, bias).stored > limit:
-        low_rank -= 1  # guards the float division above against rounding up
+    if multiple is None:
+        multiple = 1 if dtype is None else tensor_core_multiple(dtype)
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    if not 0 <= max_waste <= 1:
+        raise ValueError(f"max_waste must be in [0, 1], got {max_waste}")
+    budget = param_ratio * dense_size(fan_in, fan_out, bias)
+    low_rank = largest_rank(fan_in, fan_out, budget, num_terms=num_terms, bias=bias)
     if low_rank < 1:
         return None
-    return num_terms, align_rank(low_rank, tensor_core_multiple(dtype))
+    aligned = align_rank(low_rank, multiple)
+    filled = sketch_size(fan_in, fan_out, num_terms, aligned, bias).stored >= (1 - max_waste) * budget
+    return num_terms, (aligned if filled else low_rank)

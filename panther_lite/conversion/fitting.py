@@ -1,0 +1,80 @@
+"""Fitting: build the sketched replacement of one planned layer from its weight and, with
+calibration, its input Gram; measure how far it is from the dense layer."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch.nn as nn
+from torch import Tensor
+
+from ..nn.low_rank_fit import relative_error
+from ..nn.validation import check_finite
+from .layer_record import LayerRecord
+
+
+@dataclass
+class FitResult:
+    """A fitted replacement and the report's figures for it."""
+
+    module: nn.Module
+    init: str
+    trainable_params: int
+    stored_params: int
+    weight_error: float
+    output_error: float
+
+
+def check_finite_weights(records: List[LayerRecord]) -> None:
+    """ValueError naming the first layer whose weight or bias holds inf or NaN (a fit of it
+    would spread the bad entries over every output)."""
+    for record in records:
+        for attr in ("weight", "bias"):
+            tensor = getattr(record.module, attr)
+            if tensor is not None:
+                check_finite(attr, tensor, layer=record.name)
+
+
+def output_error(weight: Tensor, approx: Tensor, gram: Tensor) -> float:
+    """``‖X(W−Ŵ)ᵀ‖_F / ‖XWᵀ‖_F`` from the Gram ``G = XᵀX``:
+    ``sqrt(trace((W−Ŵ) G (W−Ŵ)ᵀ) / trace(W G Wᵀ))``, with W, Ŵ as (fan_out, fan_in)."""
+    w = weight.detach().reshape(weight.shape[0], -1).to(gram)
+    diff = w - approx.detach().reshape_as(w).to(gram)
+    denominator = ((w @ gram) * w).sum()
+    if denominator <= 0:
+        return math.nan
+    return math.sqrt(max(float(((diff @ gram) * diff).sum() / denominator), 0.0))
+
+
+def match_trainability(new: nn.Module, old: nn.Module) -> None:
+    """Give ``new`` the training mode and requires_grad flags of ``old`` (factors follow the weight)."""
+    new.train(old.training)
+    for name, param in new.named_parameters():
+        source = old.bias if name == "bias" else old.weight
+        param.requires_grad_(source.requires_grad)
+
+
+def fit_layer(
+    record: LayerRecord, init: str, gram: Optional[Tensor], seed: Optional[int], fit: str = "auto"
+) -> FitResult:
+    """The sketched layer of ``record``'s planned size. ``init="svd"`` with a ``gram`` fits
+    the outputs on the calibration data (``"calibrated"`` in the report); the Gram then
+    only feeds ``output_error`` for ``init="sketch"``. ``fit`` picks the decomposition
+    (``"auto"``, ``"exact"`` or ``"randomized"``, see :mod:`panther_lite.nn.low_rank_fit`)."""
+    fit_gram = gram if init == "svd" else None
+    new = record.kind.build(
+        record.module, record.num_terms, record.low_rank, init=init, seed=seed, gram=fit_gram, fit=fit
+    )
+    match_trainability(new, record.module)
+    weight = record.weight_matrix().detach()
+    approx = new.effective_weight().detach().reshape_as(weight)
+    counts = new.parameter_counts()
+    return FitResult(
+        module=new,
+        init="calibrated" if fit_gram is not None else init,
+        trainable_params=counts.trainable,
+        stored_params=counts.stored,
+        weight_error=relative_error(approx, weight),
+        output_error=math.nan if gram is None else output_error(weight, approx, gram),
+    )

@@ -1,0 +1,67 @@
+"""The per-layer record of a conversion: one candidate layer, its kind and sizes, and what
+convert decided for it (converted, kept dense or skipped, with the reason)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.nn as nn
+from torch import Tensor
+
+from ..nn import dense_size
+from .kinds import LayerKind
+
+CONVERTED, KEPT_DENSE, SKIPPED = "converted", "kept dense", "skipped"
+
+
+@dataclass
+class LayerRecord:
+    """One selected layer. ``status`` starts as ``"converted"`` (planned) and becomes
+    ``"kept dense"`` or ``"skipped"`` with a ``reason``; a planner sets ``num_terms`` and
+    ``low_rank`` of the layers it converts."""
+
+    name: str
+    module: nn.Module
+    kind: LayerKind
+    status: str = CONVERTED
+    reason: str = ""
+    num_terms: Optional[int] = None
+    low_rank: Optional[int] = None
+
+    @property
+    def to_convert(self) -> bool:
+        return self.status == CONVERTED
+
+    @property
+    def has_bias(self) -> bool:
+        return self.module.bias is not None
+
+    @property
+    def is_lazy(self) -> bool:
+        return isinstance(self.module.weight, nn.parameter.UninitializedParameter)
+
+    @property
+    def shape(self) -> Optional[tuple]:
+        """The dense weight's shape in the module's own layout (None while lazy)."""
+        return None if self.is_lazy else tuple(self.module.weight.shape)
+
+    def weight_matrix(self) -> Tensor:
+        """The weight as a ``(fan_out, fan_in)`` matrix (a view): ``y = x·Wᵀ`` for the linear
+        kinds, the kernel's unfolding ``C_out × (C_in·k1·k2·…)`` for convolutions."""
+        return self.kind.weight_matrix(self.module)
+
+    @property
+    def fan_in(self) -> int:
+        return self.weight_matrix().shape[1]
+
+    @property
+    def fan_out(self) -> int:
+        return self.weight_matrix().shape[0]
+
+    @property
+    def dense_params(self) -> int:
+        """Parameters of the dense layer (0 while a lazy module is uninitialized)."""
+        return 0 if self.is_lazy else dense_size(self.fan_in, self.fan_out, self.has_bias)
+
+    def skip(self, status: str, reason: str) -> None:
+        self.status, self.reason = status, reason

@@ -1,0 +1,195 @@
+"""Which layers convert picks and which it must leave alone: target/exclude/filter matching
+(Hugging Face PEFT's semantics), candidates, and the reasons a candidate is skipped."""
+from __future__ import annotations
+
+import re
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch.nn as nn
+
+from .adapters import adapter_skip_reason
+from .kinds import KINDS, LINEAR_KINDS, kind_of
+from .layer_record import SKIPPED, LayerRecord
+
+ModuleSelector = Union[str, Sequence[str], None]
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+# Parents whose forward reads these children's ``.weight`` directly instead of calling them:
+# nn.MultiheadAttention passes out_proj.weight to F.multi_head_attention_forward, and the
+# inference fast path of nn.TransformerEncoderLayer passes linear1/linear2 weights to a fused op.
+_DIRECT_WEIGHT_READERS = {
+    nn.MultiheadAttention: ("out_proj",),
+    nn.TransformerEncoderLayer: ("linear1", "linear2"),
+}
+
+_KIND_NAMES = "/".join(kind.name for kind in KINDS)
+
+
+def compile_regex(name: str, pattern: str) -> "re.Pattern":
+    """``re.compile(pattern)``; ValueError naming the argument when it is not a regex."""
+    try:
+        return re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"{name} {pattern!r} is not a valid regular expression: {error}") from None
+
+
+def check_selector(name: str, spec: ModuleSelector) -> None:
+    """TypeError/ValueError unless ``spec`` is None, a valid regex or a list of names."""
+    if spec is None:
+        return
+    if isinstance(spec, str):
+        compile_regex(name, spec)
+        return
+    if isinstance(spec, (list, tuple, set, frozenset)) and all(isinstance(entry, str) for entry in spec):
+        return
+    raise TypeError(f"{name} must be None, a regex string or a list of module names, got {spec!r}")
+
+
+def check_filter(filter_fn: Optional[ModuleFilter]) -> None:
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be a callable (module, fqn) -> bool, got {filter_fn!r}")
+
+
+def _entry_matches(entry: str, fqn: str) -> bool:
+    return fqn == entry or fqn.endswith("." + entry)
+
+
+def matches(spec: Union[str, Sequence[str]], fqn: str) -> bool:
+    """PEFT's rule: a string is a regex full-matched against the dotted name; a list entry
+    matches a name equal to it or ending in ``"." + entry``."""
+    if isinstance(spec, str):
+        return re.fullmatch(spec, fqn) is not None
+    return any(_entry_matches(entry, fqn) for entry in spec)
+
+
+def _is_target(record: LayerRecord, target_modules: ModuleSelector) -> bool:
+    if target_modules is None:
+        return True
+    if target_modules == "all-linear":
+        return record.kind in LINEAR_KINDS
+    return matches(target_modules, record.name)
+
+
+def candidates(model: nn.Module) -> List[LayerRecord]:
+    """Every module of ``model`` convert knows how to replace, in model order."""
+    found = []
+    for fqn, module in model.named_modules():
+        kind = kind_of(module)
+        if kind is not None:
+            found.append(LayerRecord(fqn, module, kind))
+    return found
+
+
+def _check_every_entry_matches(name: str, spec: ModuleSelector, names: List[str]) -> None:
+    """ValueError naming the entries of a list selector that match no candidate (a misspelt
+    name must not be ignored while its neighbours convert)."""
+    if spec is None or isinstance(spec, str):
+        return
+    unmatched = [entry for entry in spec if not any(_entry_matches(entry, fqn) for fqn in names)]
+    if unmatched:
+        raise ValueError(
+            f"{name} entries {unmatched} matched no {_KIND_NAMES} module "
+            f"(a list entry matches a dotted name equal to it or ending in '.' + entry); "
+            f"the model's candidates are: {_preview(names)}"
+        )
+
+
+def _preview(names: List[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(name) for name in names[:limit]) or "none"
+    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+def select_layers(
+    model: nn.Module,
+    target_modules: ModuleSelector,
+    exclude_modules: ModuleSelector,
+    filter_fn: Optional[ModuleFilter],
+) -> List[LayerRecord]:
+    """The candidates picked by target/exclude/filter_fn, in model order; ValueError when a
+    list entry or the whole selection matches nothing."""
+    found = candidates(model)
+    names = [record.name for record in found]
+    _check_every_entry_matches("target_modules", None if target_modules == "all-linear" else target_modules, names)
+    _check_every_entry_matches("exclude_modules", exclude_modules, names)
+    selected = [
+        record
+        for record in found
+        if _is_target(record, target_modules)
+        and not (exclude_modules is not None and matches(exclude_modules, record.name))
+        and (filter_fn is None or filter_fn(record.module, record.name))
+    ]
+    if not selected:
+        raise ValueError(
+            f"no {_KIND_NAMES} module matched target_modules={target_modules!r}, "
+            f"exclude_modules={exclude_modules!r}, filter_fn={getattr(filter_fn, '__name__', filter_fn)!r}; "
+            f"the model's candidates are: {_preview(names)}"
+        )
+    return selected
+
+
+ParameterOwners = Dict[int, List[Tuple[str, nn.Module]]]
+
+
+def parameter_owners(model: nn.Module) -> ParameterOwners:
+    """``id(parameter) -> [(dotted name, owning module)]`` over every alias in ``model``."""
+    owners: ParameterOwners = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(param), []).append((f"{module_name}.{attr}".lstrip("."), module))
+    return owners
+
+
+def _structural_reason(record: LayerRecord) -> Optional[str]:
+    """Why the module itself cannot be replaced (root, lazy, meta, custom forward, groups)."""
+    module = record.module
+    if record.name == "":
+        return "the root module cannot be replaced in place; wrap it in a container (e.g. nn.Sequential)"
+    if record.is_lazy:
+        return "its parameters are not initialized yet (lazy module); run a forward pass first"
+    if module.weight.is_meta:
+        return (
+            "its weight is on the meta device (no values to fit); load the weights first, or rebuild "
+            "a converted layout with apply_conversion_config"
+        )
+    base = record.kind.base(type(module))
+    for method in record.kind.overridden:
+        if getattr(type(module), method) is not getattr(base, method):
+            return (
+                f"{type(module).__name__} overrides {base.__name__}.{method} (custom behaviour the sketched "
+                "layer would drop)"
+            )
+    groups = getattr(module, "groups", 1)
+    if groups != 1:
+        return f"{record.kind.sketched.__name__} supports only groups=1, this convolution has groups={groups}"
+    return None
+
+
+def _context_reason(model: nn.Module, record: LayerRecord, owners: ParameterOwners) -> Optional[str]:
+    """Why the layer's surroundings forbid the swap (direct weight reads, shared parameters)."""
+    parent_name, _, child = record.name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    for reader, children in _DIRECT_WEIGHT_READERS.items():
+        if isinstance(parent, reader) and child in children:
+            return f"its parent {type(parent).__name__} reads {child}.weight directly instead of calling it"
+    for attr in ("weight", "bias"):
+        tensor = getattr(record.module, attr)
+        if tensor is None:
+            continue
+        others = [name for name, owner in owners.get(id(tensor), []) if owner is not record.module]
+        if others:
+            return f"{attr} is tied to {', '.join(others)} (the same Parameter)"
+    return None
+
+
+def mark_unconvertible(model: nn.Module, records: List[LayerRecord]) -> None:
+    """Mark ``"skipped"``, with the reason, each selected layer that cannot be swapped
+    without changing what the model computes or breaking the code around it."""
+    owners = parameter_owners(model)
+    for record in records:
+        reason = (
+            adapter_skip_reason(record.module, record.name)
+            or _structural_reason(record)
+            or _context_reason(model, record, owners)
+        )
+        if reason is not None:
+            record.skip(SKIPPED, reason)

@@ -1,0 +1,61 @@
+"""How much each layer's output error reaches the model's output: the weights of the global
+allocation's objective.
+
+A layer's truncation error is a perturbation of its output; what matters is the perturbation
+it causes at the model's output. To first order that is the layer's relative output error
+times a gain that depends on the rest of the network (residual connections, normalisation,
+the layers after it). The gain is measured once per layer on one calibration batch: add
+Gaussian noise of relative size ``ε`` to the layer's output, run the model, and take the
+relative change of the model's output (its first floating-point tensor) over ``ε``. The
+allocation then minimises ``Σ_l gain_l² · e_l``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from .calibration import ModelRun, evaluation_run
+from .layer_record import LayerRecord
+
+NOISE = 0.05
+
+
+def _first_tensor(output) -> Optional[Tensor]:
+    """The first floating-point tensor in a model's output (a Tensor, a tuple/list, a dict or
+    a Hugging Face ``ModelOutput``)."""
+    if isinstance(output, Tensor):
+        return output if output.is_floating_point() else None
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def output_gains(model: nn.Module, records: List[LayerRecord], run: ModelRun) -> Dict[str, float]:
+    """``{name: gain²}``: the squared relative change of the model's output per relative
+    noise added to each layer's output, when ``run(model)`` (one calibration batch) runs it
+    (1.0 for every layer when the output holds no floating-point tensor or does not move)."""
+    with evaluation_run(model):
+        reference = _first_tensor(run(model))
+        if reference is None or not bool(reference.norm() > 0):
+            return {record.name: 1.0 for record in records}
+        gains = {}
+        for index, record in enumerate(records):
+            generator = torch.Generator(device=reference.device).manual_seed(index)
+
+            def perturb(module, args, output):
+                noise = torch.randn(output.shape, generator=generator, device=output.device, dtype=output.dtype)
+                return output + NOISE * noise * (output.norm() / noise.norm().clamp_min(1e-30))
+
+            handle = record.module.register_forward_hook(perturb)
+            try:
+                moved = _first_tensor(run(model))
+            finally:
+                handle.remove()
+            gains[record.name] = float(((moved - reference).norm() / reference.norm() / NOISE) ** 2)
+    return gains

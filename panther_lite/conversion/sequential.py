@@ -1,0 +1,231 @@
+"""Sequential calibration: fit layers in model order on the partly converted model, each to
+reproduce the *original* layer's outputs from the inputs it now receives.
+
+For a layer with weight ``W`` (``fan_out × fan_in``), original inputs ``X`` (rows, from the
+dense model) and current inputs ``X̃`` (from the model whose earlier layers are already
+replaced), the fit minimises ``‖X̃ Ŵᵀ − X Wᵀ‖_F`` over rank-``2Lk`` ``Ŵ``: a reduced-rank
+regression. With ``G̃ = X̃ᵀX̃`` and the cross statistic ``C = X̃ᵀX``, the least-squares map
+``T`` solves ``(G̃ + λI) Tᵀ = (C + λI) Wᵀ`` (a ridge ``λ`` = :data:`RIDGE` · mean diag ``G̃``
+towards ``W``) and ``‖X̃ Ŵᵀ − X Wᵀ‖² = ‖X̃ (Ŵ − T)ᵀ‖² + const``, so the best ``Ŵ`` is the
+activation-aware fit of ``T`` whitened by ``G̃``: the layers' own fit, given ``T`` and ``G̃``.
+The upstream error is corrected instead of ignored (``T = W`` when ``X̃ = X``).
+
+Layers run in the order of their first call; layers whose inputs are the very same tensor
+(q/k/v projections of one hidden state) form one *group* sharing one set of statistics. Each
+group costs two runs of the calibration batches (the original model, then the partly converted
+one, paired batch by batch) and holds three ``fan_in²`` float64 matrices (``G̃``, ``C`` and
+``G = XᵀX`` for the reported error), freed as soon as the group is fitted: peak memory is one
+group's statistics, not the whole model's. Each run stops as soon as the group's layers
+have had as many calls as on the first batch (the rest of the forward cannot matter), which
+assumes every batch calls the layers equally often.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ..nn.low_rank_fit import relative_error
+from .calibration import CallOrder, conv_patches, evaluation_run, group_layers, layer_input, run_batch
+from .fitting import FitResult, match_trainability
+from .kinds import LINEAR_KINDS
+from .layer_record import LayerRecord
+from .progress import progress_bar
+from .surgery import swap_modules, undo_swaps
+
+RIDGE = 1e-2
+"""Ridge of the regression, relative to the mean diagonal of ``G̃``: it pulls ``T`` towards
+``W`` (not towards 0) where the calibration inputs barely reach, so a few batches cannot
+overfit, and leaves ``T = W`` exactly when ``X̃ = X``."""
+
+
+def check_sequential_data(calibration_data) -> None:
+    """ValueError without calibration data; TypeError unless it can be iterated more than once."""
+    if calibration_data is None:
+        raise ValueError("sequential=True fits each layer to calibration statistics: pass calibration_data")
+    if callable(calibration_data) or iter(calibration_data) is calibration_data:
+        raise TypeError(
+            "sequential=True runs the calibration batches twice per layer group, pairing them batch by batch: "
+            "pass calibration_data as a list of batches or a DataLoader (not a callable or a one-shot iterator)"
+        )
+
+
+def _rows(record: LayerRecord, module: nn.Module, x: Tensor) -> Tensor:
+    """The layer's input as rows ``(n, fan_in)`` in float64 (unfolded patches for convolutions)."""
+    if record.kind in LINEAR_KINDS:
+        return x.detach().reshape(-1, x.shape[-1]).double()
+    if x.dim() == len(module.kernel_size) + 1:
+        x = x.unsqueeze(0)
+    return conv_patches(module, x.detach()).double()
+
+
+class _GroupStatistics:
+    """Forward pre-hooks on one group's modules. In the ``"original"`` phase the leader queues
+    its inputs; in the ``"converted"`` phase each call is paired with the queued input of the
+    same call and ``G̃ = X̃ᵀX̃``, ``C = X̃ᵀX`` and ``G = XᵀX`` accumulate. ``shared`` turns
+    False when a member's input was not the leader's (the group must then be split)."""
+
+    def __init__(self, group: List[LayerRecord], device: Optional[torch.device]) -> None:
+        self.group, self.leader = group, group[0]
+        device = self.leader.module.weight.device if device is None else device
+        fan_in = self.leader.fan_in
+        self.current, self.cross, self.original = (
+            torch.zeros(fan_in, fan_in, dtype=torch.float64, device=device) for _ in range(3)
+        )
+        self.queue: deque = deque()
+        self.phase, self.last_input, self.shared, self.rows = "original", None, True, 0
+
+    def hook(self, record: LayerRecord) -> Callable:
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            x = layer_input(args, kwargs)
+            if record is not self.leader:
+                self.shared = self.shared and x is self.last_input
+                return
+            self.last_input = x
+            if self.phase == "original":
+                self.queue.append(x.detach())
+                return
+            if not self.queue:
+                raise ValueError(
+                    f"sequential calibration: layer {record.name!r} was called more often in the partly converted "
+                    "model than in the original on the same batch; fit this model with sequential=False"
+                )
+            original, current = _rows(record, module, self.queue.popleft()), _rows(record, module, x)
+            if original.shape != current.shape:
+                raise ValueError(
+                    f"sequential calibration: layer {record.name!r} received inputs of different shapes in the "
+                    f"original and the partly converted model ({tuple(original.shape)} vs {tuple(current.shape)})"
+                )
+            target = self.current.device
+            self.current.add_((current.t() @ current).to(target))
+            self.cross.add_((current.t() @ original).to(target))
+            self.original.add_((original.t() @ original).to(target))
+            self.rows += current.shape[0]
+
+        return pre_hook
+
+
+class _GroupDone(Exception):
+    """Raised by the last call of a group's layers: the rest of the forward is not needed."""
+
+
+class _StopAfterGroup:
+    """Forward hooks ending a run once every layer of the group had all its calls of a batch."""
+
+    def __init__(self, group: List[LayerRecord], calls: Dict[str, int]) -> None:
+        self.expected = {record.name: calls[record.name] for record in group}
+        self.seen: Dict[str, int] = {}
+
+    def hook(self, record: LayerRecord) -> Callable:
+        def forward_hook(module: nn.Module, args: tuple, output) -> None:
+            self.seen[record.name] = self.seen.get(record.name, 0) + 1
+            if all(self.seen.get(name, 0) >= count for name, count in self.expected.items()):
+                raise _GroupDone
+
+        return forward_hook
+
+    def run(self, model: nn.Module, batch) -> None:
+        self.seen = {}
+        try:
+            run_batch(model, batch)
+        except _GroupDone:
+            pass
+
+
+def _record_group(
+    model: nn.Module, stats: _GroupStatistics, batches, fitted: Dict[str, nn.Module], calls: Dict[str, int]
+) -> None:
+    """Run every batch through the original model, then through the partly converted one,
+    each run stopped once the group's layers are done."""
+    stop = _StopAfterGroup(stats.group, calls)
+    handles = [r.module.register_forward_pre_hook(stats.hook(r), with_kwargs=True) for r in stats.group]
+    handles += [r.module.register_forward_hook(stop.hook(r)) for r in stats.group]
+    try:
+        with evaluation_run(model):
+            for batch in batches:
+                stats.phase = "original"
+                stop.run(model, batch)
+                stats.phase, stats.last_input = "converted", None
+                log = swap_modules(model, list(fitted.items()))
+                try:
+                    stop.run(model, batch)
+                finally:
+                    undo_swaps(log)
+                stats.queue.clear()
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _fit_member(record: LayerRecord, stats: _GroupStatistics, seed: Optional[int], fit: str) -> FitResult:
+    """The sketched layer fitted to the original outputs (see the module docstring)."""
+    weight = record.weight_matrix().detach()
+    w = weight.to(stats.current)
+    ridge = RIDGE * stats.current.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
+    eye = torch.eye(w.shape[1], dtype=w.dtype, device=w.device)
+    target = torch.linalg.solve(stats.current + ridge * eye, (stats.cross + ridge * eye) @ w.t()).t()
+    new = record.kind.build(record.module, record.num_terms, record.low_rank, init="sketch", seed=seed)
+    match_trainability(new, record.module)
+    new.initialize_from_weight(target.reshape(new.dense_weight_shape).to(weight.dtype), "svd", stats.current, fit=fit)
+    approx = new.effective_weight().detach().reshape_as(weight)
+    a = approx.to(w)
+    reference = float(((w @ stats.original) * w).sum())
+    squared = float(((a @ stats.current) * a).sum() - 2 * ((a @ stats.cross) * w).sum()) + reference
+    counts = new.parameter_counts()
+    return FitResult(
+        module=new,
+        init="sequential",
+        trainable_params=counts.trainable,
+        stored_params=counts.stored,
+        weight_error=relative_error(approx, weight),
+        output_error=math.sqrt(max(squared, 0.0) / reference) if reference > 0 else math.nan,
+    )
+
+
+def _fit_group(
+    model: nn.Module, group: List[LayerRecord], batches, fits: Dict[str, FitResult], seeds: Dict[str, Optional[int]], options
+) -> None:
+    """Record one group's statistics, fit its layers into ``fits``, and free the statistics;
+    a group whose members turn out not to share their inputs is fitted layer by layer."""
+    stats = _GroupStatistics(group, options["device"])
+    _record_group(model, stats, batches, {name: fit.module for name, fit in fits.items()}, options["calls"])
+    if not stats.shared and len(group) > 1:
+        del stats
+        for record in group:
+            _fit_group(model, [record], batches, fits, seeds, options)
+        return
+    for record in group:
+        fits[record.name] = _fit_member(record, stats, seeds[record.name], options["fit"])
+
+
+def fit_sequentially(
+    model: nn.Module,
+    records: List[LayerRecord],
+    batches,
+    *,
+    seed: Optional[int] = None,
+    device: Optional[torch.device] = None,
+    progress: Optional[bool] = None,
+    fit: str = "auto",
+) -> Tuple[Dict[str, FitResult], List[LayerRecord]]:
+    """Fit ``records`` (sizes planned) group by group in model order; ``model`` is not
+    changed (fitted layers are swapped in only while the next group records).
+
+    Returns ``(fits by name, records the batches never reached)``; a layer's sketches use
+    ``seed + its index in records``. Statistics live on ``device`` (None: the layer's);
+    ``fit`` picks the decomposition as in :func:`~panther_lite.conversion.fitting.fit_layer`.
+    """
+    first = next(iter(batches), None)
+    if first is None:
+        return {}, list(records)
+    order: CallOrder = group_layers(model, records, first)
+    seeds = {record.name: None if seed is None else seed + i for i, record in enumerate(records)}
+    fits: Dict[str, FitResult] = {}
+    options = dict(device=device, fit=fit, calls=order.calls)
+    for group in progress_bar(order.groups, "fitting sequentially", "group", progress):
+        _fit_group(model, group, batches, fits, seeds, options)
+    return fits, order.unreached

@@ -1,0 +1,154 @@
+"""Conversion configs: the JSON-serialisable layout of a converted model's sketched layers,
+and rebuilding that layout in a fresh copy of the dense model so a converted
+``state_dict`` loads into it."""
+from __future__ import annotations
+
+from typing import List, Mapping, Tuple
+
+import torch.nn as nn
+
+from ..nn import SKLinear
+from .fitting import match_trainability
+from .kinds import HF_CONV1D, KIND_BY_NAME, KINDS, SKETCHED_TYPES, LayerKind, dense_kind_of
+from .surgery import swap_modules
+
+CONFIG_FORMAT = "panther_lite.conversion"
+CONFIG_VERSION = 1
+
+_ENTRY_FIELDS = ("name", "kind", "shape", "num_terms", "low_rank", "bias")
+# configs written before the "dense" field existed name only the sketched kind
+_DEFAULT_DENSE = {"SKLinear": "Linear", "SKConv1d": "Conv1d", "SKConv2d": "Conv2d", "SKConv3d": "Conv3d"}
+
+
+def _dense_shape(module: nn.Module, kind: LayerKind) -> List[int]:
+    """Shape of the dense weight a sketched layer stands for, in the dense layer's layout."""
+    if kind is HF_CONV1D:
+        return [module.in_features, module.out_features]
+    if isinstance(module, SKLinear):
+        return [module.out_features, module.in_features]
+    return [module.out_channels, module.in_channels, *module.kernel_size]
+
+
+def conversion_config(model: nn.Module) -> dict:
+    """The JSON-serialisable layout of the sketched layers in ``model``.
+
+    ``{"format": "panther_lite.conversion", "version": 1, "layers": [{"name", "kind",
+    "dense", "shape", "num_terms", "low_rank", "bias"}, ...]}`` with ``kind`` the sketched
+    class (``"SKLinear"``, ``"SKConv1d"``, ``"SKConv2d"``, ``"SKConv3d"``), ``dense`` the
+    layer it replaced (``"Linear"``, ``"Conv1D"`` for transformers' GPT-2 layer,
+    ``"Conv1d"``, ``"Conv2d"``, ``"Conv3d"``) and ``shape`` that dense
+    layer's weight shape. Save it next to the ``state_dict``; :func:`apply_conversion_config`
+    rebuilds the architecture from it.
+    """
+    layers = []
+    for fqn, module in model.named_modules():
+        if isinstance(module, SKETCHED_TYPES):
+            kind = dense_kind_of(module)
+            layers.append(
+                dict(
+                    name=fqn,
+                    kind=kind.sketched.__name__,
+                    dense=kind.name,
+                    shape=_dense_shape(module, kind),
+                    num_terms=module.num_terms,
+                    low_rank=module.low_rank,
+                    bias=module.bias is not None,
+                )
+            )
+    return dict(format=CONFIG_FORMAT, version=CONFIG_VERSION, layers=layers)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_entry(index: int, entry) -> LayerKind:
+    """The dense kind of one ``layers`` entry; ValueError naming the bad field."""
+    where = f"config['layers'][{index}]"
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"{where} must be a dict, got {type(entry).__name__}")
+    missing = [field for field in _ENTRY_FIELDS if field not in entry]
+    if missing:
+        raise ValueError(f"{where} is missing {missing} (expected the fields {list(_ENTRY_FIELDS)})")
+    if not isinstance(entry["name"], str):
+        raise ValueError(f"{where}['name'] must be a dotted module name (str), got {entry['name']!r}")
+    where = f"{where} (layer {entry['name']!r})"
+    for field in ("num_terms", "low_rank"):
+        if not _is_count(entry[field]):
+            raise ValueError(f"{where}: {field!r} must be an integer >= 1, got {entry[field]!r}")
+    if not isinstance(entry["bias"], bool):
+        raise ValueError(f"{where}: 'bias' must be true or false (a JSON boolean), got {entry['bias']!r}")
+    shape = entry["shape"]
+    if not isinstance(shape, (list, tuple)) or not shape or not all(_is_count(size) for size in shape):
+        raise ValueError(f"{where}: 'shape' must be a list of positive integers, got {shape!r}")
+    dense = entry.get("dense", _DEFAULT_DENSE.get(entry["kind"]))
+    kind = KIND_BY_NAME.get(dense)
+    if kind is None or kind.sketched.__name__ != entry["kind"]:
+        known = [(k.sketched.__name__, k.name) for k in KINDS]
+        raise ValueError(
+            f"{where}: unknown kind {entry['kind']!r} with dense {dense!r}, expected one of (kind, dense) {known}"
+        )
+    return kind
+
+
+def _check_config(config) -> List[Tuple[Mapping, LayerKind]]:
+    if not isinstance(config, Mapping) or config.get("format") != CONFIG_FORMAT:
+        raise ValueError(f"config must be a dict from conversion_config() with format={CONFIG_FORMAT!r}")
+    if config.get("version") != CONFIG_VERSION:
+        raise ValueError(f"unsupported conversion config version {config.get('version')!r}, expected {CONFIG_VERSION}")
+    if "layers" not in config:
+        raise ValueError("config has no 'layers' list (the sketched layers conversion_config() recorded)")
+    if not isinstance(config["layers"], (list, tuple)):
+        raise ValueError(f"config['layers'] must be a list, got {type(config['layers']).__name__}")
+    entries = [(entry, _check_entry(index, entry)) for index, entry in enumerate(config["layers"])]
+    names = [entry["name"] for entry, _ in entries]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"config['layers'] lists {duplicates} more than once")
+    return entries
+
+
+def _target_module(model: nn.Module, entry: Mapping, kind: LayerKind) -> nn.Module:
+    """The dense module an entry replaces; ValueError when the model does not match."""
+    fqn = entry["name"]
+    if fqn == "":
+        raise ValueError("the root module cannot be replaced in place")
+    try:
+        module = model.get_submodule(fqn)
+    except AttributeError:
+        raise ValueError(f"layer {fqn!r} from the config does not exist in the model") from None
+    if not kind.matches(module):
+        raise ValueError(f"layer {fqn!r} is a {type(module).__name__}, the config expects a {kind.name}")
+    if list(module.weight.shape) != list(entry["shape"]) or (module.bias is not None) != entry["bias"]:
+        raise ValueError(
+            f"layer {fqn!r} has weight shape {list(module.weight.shape)} and bias={module.bias is not None}, "
+            f"the config expects {list(entry['shape'])} and bias={entry['bias']}"
+        )
+    return module
+
+
+def apply_conversion_config(model: nn.Module, config: Mapping) -> nn.Module:
+    """Swap the layers listed in ``config`` (from :func:`conversion_config`) for sketched
+    layers of the recorded sizes, in place, so a converted model's ``state_dict`` loads
+    into ``model`` (a fresh instance of the original architecture). No fitting happens:
+    the new layers hold placeholder values (a sketch of the fresh weights) until the
+    state_dict is loaded; a layer on the meta device gets a sketched layer on the meta
+    device, to materialise with ``load_state_dict(..., assign=True)``.
+
+    The whole config is validated against the model first (ValueError naming the bad
+    entry and field: no ``layers``, a field missing or of the wrong type, an unknown kind,
+    a layer the model lacks or whose shape differs); on any error the model is unchanged.
+    Returns ``model``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    targets = [(entry, kind, _target_module(model, entry, kind)) for entry, kind in _check_config(config)]
+    replacements = []
+    for entry, kind, module in targets:
+        if module.weight.is_meta:
+            new = kind.build_placeholder(module, entry["num_terms"], entry["low_rank"])
+        else:  # a sketch of the fresh weights: valid values even before the state_dict loads
+            new = kind.build(module, entry["num_terms"], entry["low_rank"], init="sketch", seed=0)
+        match_trainability(new, module)
+        replacements.append((entry["name"], new))
+    swap_modules(model, replacements)
+    return model

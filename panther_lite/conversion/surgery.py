@@ -1,0 +1,45 @@
+"""Model surgery: swap modules at every place a model holds them, all or nothing, with an
+undo that puts the originals back."""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch.nn as nn
+
+Replacement = Tuple[str, nn.Module]
+# (parent, attribute name, module that was there)
+SwapLog = List[Tuple[nn.Module, str, nn.Module]]
+
+
+def undo_swaps(log: SwapLog) -> None:
+    """Put back every module a :func:`swap_modules` call replaced, newest first."""
+    for parent, child, old in reversed(log):
+        setattr(parent, child, old)
+
+
+def swap_modules(model: nn.Module, replacements: List[Replacement]) -> SwapLog:
+    """Replace the module at each dotted name with its new module, at every place the
+    model holds that same module (a shared layer stays shared); all or nothing. Returns the
+    log :func:`undo_swaps` reverts."""
+    aliases: Dict[int, List[str]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(fqn)
+    log: SwapLog = []
+    try:
+        for fqn, new in replacements:
+            for alias in aliases.get(id(model.get_submodule(fqn)), [fqn]):
+                parent_name, _, child = alias.rpartition(".")
+                parent = model.get_submodule(parent_name)
+                log.append((parent, child, getattr(parent, child)))
+                setattr(parent, child, new)
+    except BaseException:
+        undo_swaps(log)
+        raise
+    return log
+
+
+def stored_numel(model: nn.Module) -> int:
+    """Entries of the model's parameters and buffers (the U sketches included); those of
+    lazy modules, not materialized yet, count 0."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() for t in tensors if not nn.parameter.is_lazy(t))

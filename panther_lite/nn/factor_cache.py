@@ -1,0 +1,75 @@
+"""Cache of the concatenated factors ``[S1 | U2]`` and ``scale·[U1; S2]`` for no-grad eager calls.
+
+An entry is keyed by the ``S1`` tensor object and holds weak references to the four
+factors, so it lives no longer than ``S1`` and never outlives a replaced ``U``. It is
+served only while every factor is the same tensor with the same storage, shape and
+version counter and no optimizer has stepped since (fused optimizers do not move version
+counters; :mod:`panther_lite.nn.change_detection` counts their steps): any in-place write
+(``load_state_dict``, ``copy_``/``mul_`` under ``no_grad``), an optimizer step, ``.to()``,
+or a new ``.data`` tensor invalidates it. Writes through ``param.data.<op>_()`` outside an
+optimizer bypass the version counter (that is what ``.data`` is for): call
+:func:`clear_factor_cache` after them.
+
+Memory: one copy of each layer's factors (its stored size) per layer run without grad.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, NamedTuple, Tuple
+
+import torch
+from torch import Tensor
+
+from . import change_detection
+
+__all__ = ["clear_factor_cache", "stacked_factors"]
+
+
+class _Entry(NamedTuple):
+    refs: Tuple[weakref.ref, ...]
+    signature: tuple
+    left: Tensor
+    right: Tensor
+
+
+_CACHE: Dict[int, _Entry] = {}
+
+
+def clear_factor_cache() -> None:
+    """Drop every cached concatenation (they are rebuilt on the next no-grad call)."""
+    _CACHE.clear()
+
+
+def _signature(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> tuple:
+    """A lighter :func:`~panther_lite.nn.change_detection.tensor_signature` (this runs on
+    every call): dtype and device changes always come with new storage."""
+    return (
+        change_detection._steps_seen, scale, S1._version, U1._version, U2._version, S2._version,
+        S1.data_ptr(), U1.data_ptr(), U2.data_ptr(), S2.data_ptr(), S1.shape, S2.shape,
+    )
+
+
+def _concatenate(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
+    with torch.no_grad():
+        return torch.cat((S1, U2), dim=1), torch.cat((U1, S2), dim=0).mul_(scale)
+
+
+def stacked_factors(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
+    """``([S1 | U2], scale·[U1; S2])`` of shapes ``(in, 2R)`` and ``(2R, out)``, cached
+    while the factors are unchanged, so ``y = (x·left)·right`` is two GEMMs whose products
+    are already at the output's scale. Inference tensors (no version counter) are never
+    cached."""
+    try:
+        signature = _signature(S1, U1, U2, S2, scale)
+    except RuntimeError:  # an inference tensor: "Inference tensors do not track version counter"
+        return _concatenate(S1, U1, U2, S2, scale)
+    key = id(S1)
+    entry = _CACHE.get(key)
+    if entry is not None and entry.signature == signature:
+        s1_ref, u1_ref, u2_ref, s2_ref = entry.refs
+        if s1_ref() is S1 and u1_ref() is U1 and u2_ref() is U2 and s2_ref() is S2:
+            return entry.left, entry.right
+    left, right = _concatenate(S1, U1, U2, S2, scale)
+    refs = (weakref.ref(S1, lambda _: _CACHE.pop(key, None)), weakref.ref(U1), weakref.ref(U2), weakref.ref(S2))
+    _CACHE[key] = _Entry(refs, signature, left, right)
+    return left, right
