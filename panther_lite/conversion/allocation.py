@@ -9,11 +9,12 @@ The predicted error of a rank-``r`` fit is the layer's relative squared *output*
 
 with ``σ`` the singular values of the whitened weight ``W·G^{1/2}`` (the activation-aware
 spectrum; with no calibration data ``G = I``, the weight's own spectrum). The fits are exactly
-these truncations, so ``e_l`` is what the fit will achieve on the calibration data. Relative
-squared errors are what add up along a network whose layers are normalised (a layer's relative
-perturbation reaches the output with a gain near one, and independent perturbations add in
-squared norm), so the objective is ``Σ_l e_l``, minimised subject to ``Σ_l stored_l ≤ budget``;
-``w_l`` (default 1) lets a caller weight layers whose output matters more.
+these truncations, so ``e_l`` is what the fit will achieve on the calibration data. A layer's
+relative perturbation reaches the model's output multiplied by a gain ``g_l``, and independent
+perturbations add in squared norm, so the objective is ``Σ_l e_l`` with ``w_l = g_l²``,
+minimised subject to ``Σ_l stored_l ≤ budget``. ``convert`` measures the gains on a calibration
+batch (:mod:`.sensitivity`); without calibration data every ``w_l`` is 1 (relative errors alone,
+right for a network whose layers are normalised).
 
 Algorithm: this is a multiple-choice knapsack (one size per layer), solved exactly by dynamic
 programming over the budget cut into at most 4096 units, each layer's costs rounded up to whole

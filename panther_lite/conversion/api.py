@@ -192,8 +192,9 @@ def convert(
             for every layer the default ``param_ratio`` sizes, spent where it lowers the summed
             relative squared output error most, predicted from each layer's whitened singular
             spectrum (activation-aware with calibration data, the weight's own without; see
-            :mod:`~panther_lite.conversion.allocation`); a layer no sketch beats, or whose
-            budget buys more elsewhere, stays dense with the reason.
+            :mod:`~panther_lite.conversion.allocation`) and weighted, with calibration data, by
+            the layer's measured gain to the model's output (:mod:`~panther_lite.conversion.sensitivity`);
+            a layer no sketch beats, or whose budget buys more elsewhere, stays dense with the reason.
         sequential: with ``calibration_data`` given as a list of batches or a DataLoader,
             fit the layers in model order on the partly converted model, each to reproduce
             the original layer's outputs from the inputs it now receives (reduced-rank

@@ -175,8 +175,10 @@ def save_pretrained(model: nn.Module, directory: PathLike) -> None:
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"directory must be a path (str or os.PathLike), got {type(directory).__name__}")
     directory = Path(directory)
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"directory {str(directory)!r} exists and is not a directory")
+    blocking = next((path for path in (directory, *directory.parents) if path.exists() and not path.is_dir()), None)
+    if blocking is not None:
+        where = "exists and is not a directory" if blocking == directory else f"is inside {str(blocking)!r}, a file"
+        raise ValueError(f"directory {str(directory)!r} {where}")
     saved_with = _saved_with(model)
     conversion = conversion_config(model)
     if saved_with == _SENTENCE_TRANSFORMERS:
@@ -216,6 +218,8 @@ def _read_record(directory: PathLike) -> Tuple[Path, dict]:
         )
     if record.get("saved_with") not in (_TRANSFORMERS, _SENTENCE_TRANSFORMERS, _STATE_DICT):
         raise ValueError(f"{str(path)!r}: unknown saved_with {record.get('saved_with')!r}")
+    if not isinstance(record.get("conversion"), dict):
+        raise ValueError(f"{str(path)!r} has no 'conversion' dict (the conversion config save_pretrained records)")
     return directory, record
 
 
@@ -388,7 +392,13 @@ def _load_state_dict_file(factory: Callable[..., nn.Module], directory: Path, co
     apply_conversion_config(model, conversion)
     from safetensors.torch import load_file
 
-    _assign_state_dict(model, load_file(str(path)))
+    try:
+        _assign_state_dict(model, load_file(str(path)))
+    except RuntimeError as error:  # load_state_dict's missing/unexpected keys or size mismatches
+        raise ValueError(
+            f"{str(path)!r} does not fit the model the factory built (another architecture or other sizes "
+            f"than the saved model's): {error}"
+        ) from error
     left = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
     if left:
         raise ValueError(f"{str(path)!r} does not hold {', '.join(left[:5])}: the factory built another model")

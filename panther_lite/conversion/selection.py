@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch.nn as nn
 
 from .adapters import adapter_skip_reason
-from .kinds import KINDS, LINEAR_KINDS, kind_of
+from .kinds import KINDS, LINEAR_KINDS, SKETCHED_TYPES, kind_of
 from .layer_record import SKIPPED, LayerRecord
 
 ModuleSelector = Union[str, Sequence[str], None]
@@ -80,7 +80,7 @@ def candidates(model: nn.Module) -> List[LayerRecord]:
     return found
 
 
-def _check_every_entry_matches(name: str, spec: ModuleSelector, names: List[str]) -> None:
+def _check_every_entry_matches(model: nn.Module, name: str, spec: ModuleSelector, names: List[str]) -> None:
     """ValueError naming the entries of a list selector that match no candidate (a misspelt
     name must not be ignored while its neighbours convert)."""
     if spec is None or isinstance(spec, str):
@@ -90,7 +90,7 @@ def _check_every_entry_matches(name: str, spec: ModuleSelector, names: List[str]
         raise ValueError(
             f"{name} entries {unmatched} matched no {_KIND_NAMES} module "
             f"(a list entry matches a dotted name equal to it or ending in '.' + entry); "
-            f"the model's candidates are: {_preview(names)}"
+            f"the model's candidates are: {_preview(names)}{_already_sketched_note(model)}"
         )
 
 
@@ -109,8 +109,9 @@ def select_layers(
     list entry or the whole selection matches nothing."""
     found = candidates(model)
     names = [record.name for record in found]
-    _check_every_entry_matches("target_modules", None if target_modules == "all-linear" else target_modules, names)
-    _check_every_entry_matches("exclude_modules", exclude_modules, names)
+    listed_targets = None if target_modules == "all-linear" else target_modules
+    _check_every_entry_matches(model, "target_modules", listed_targets, names)
+    _check_every_entry_matches(model, "exclude_modules", exclude_modules, names)
     selected = [
         record
         for record in found
@@ -122,9 +123,20 @@ def select_layers(
         raise ValueError(
             f"no {_KIND_NAMES} module matched target_modules={target_modules!r}, "
             f"exclude_modules={exclude_modules!r}, filter_fn={getattr(filter_fn, '__name__', filter_fn)!r}; "
-            f"the model's candidates are: {_preview(names)}"
+            f"the model's candidates are: {_preview(names)}{_already_sketched_note(model)}"
         )
     return selected
+
+
+def _already_sketched_note(model: nn.Module) -> str:
+    """What to do when the model was converted before (its sketched layers are no candidates)."""
+    sketched = [fqn for fqn, module in model.named_modules() if isinstance(module, SKETCHED_TYPES)]
+    if not sketched:
+        return ""
+    return (
+        f"; the model already holds {len(sketched)} sketched layers ({_preview(sketched, limit=3)}), which "
+        "convert does not convert again: to convert at other sizes, panther_lite.densify(model) first"
+    )
 
 
 ParameterOwners = Dict[int, List[Tuple[str, nn.Module]]]

@@ -40,6 +40,8 @@ def conversion_config(model: nn.Module) -> dict:
     layer's weight shape. Save it next to the ``state_dict``; :func:`apply_conversion_config`
     rebuilds the architecture from it.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     layers = []
     for fqn, module in model.named_modules():
         if isinstance(module, SKETCHED_TYPES):

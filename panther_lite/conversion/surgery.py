@@ -1,5 +1,5 @@
 """Model surgery: swap modules at every place a model holds them, all or nothing, with an
-undo that puts the originals back."""
+undo that puts the originals back; forward and backward hooks follow the swap."""
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
@@ -7,6 +7,16 @@ from typing import Dict, List, Tuple
 import torch.nn as nn
 
 Replacement = Tuple[str, nn.Module]
+# nn.Module's per-module hook registries (dicts keyed by handle id)
+_HOOK_REGISTRIES = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
 # (parent, attribute name, module that was there)
 SwapLog = List[Tuple[nn.Module, str, nn.Module]]
 
@@ -17,17 +27,31 @@ def undo_swaps(log: SwapLog) -> None:
         setattr(parent, child, old)
 
 
+def carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Make ``new`` run the forward and backward hooks registered on ``old`` (a user's
+    feature-extraction hook keeps firing after conversion): the registries are shared, so a
+    handle from ``old.register_forward_hook`` still removes its hook. State-dict hooks are
+    not carried: they are written for ``old``'s parameter names."""
+    for name in _HOOK_REGISTRIES:
+        registry = getattr(old, name)
+        registry.update(getattr(new, name))
+        new.__dict__[name] = registry
+    new._is_full_backward_hook = old._is_full_backward_hook
+
+
 def swap_modules(model: nn.Module, replacements: List[Replacement]) -> SwapLog:
     """Replace the module at each dotted name with its new module, at every place the
-    model holds that same module (a shared layer stays shared); all or nothing. Returns the
-    log :func:`undo_swaps` reverts."""
+    model holds that same module (a shared layer stays shared), carrying its hooks over
+    (:func:`carry_hooks`); all or nothing. Returns the log :func:`undo_swaps` reverts."""
     aliases: Dict[int, List[str]] = {}
     for fqn, module in model.named_modules(remove_duplicate=False):
         aliases.setdefault(id(module), []).append(fqn)
     log: SwapLog = []
     try:
         for fqn, new in replacements:
-            for alias in aliases.get(id(model.get_submodule(fqn)), [fqn]):
+            old = model.get_submodule(fqn)
+            carry_hooks(old, new)
+            for alias in aliases.get(id(old), [fqn]):
                 parent_name, _, child = alias.rpartition(".")
                 parent = model.get_submodule(parent_name)
                 log.append((parent, child, getattr(parent, child)))

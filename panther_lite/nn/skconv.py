@@ -55,6 +55,17 @@ def _reversed_padding(
     return tuple(p for p in reversed(padding) for _ in range(2))
 
 
+def _autocast_casts(input: Tensor) -> bool:
+    """Whether autocast will cast ``input`` (it is on for the input's device and leaves float64
+    alone); False on devices autocast does not know, such as meta."""
+    device_type = input.device.type
+    return (
+        input.dtype != torch.float64
+        and torch.amp.is_autocast_available(device_type)
+        and torch.is_autocast_enabled(device_type)
+    )
+
+
 def conv_sketch_size(fan_in: int, fan_out: int, num_terms: int, low_rank: int, bias: bool = True) -> SketchSize:
     """Parameter counts of a sketched convolution with ``fan_in = C_in·prod(kernel_size)``
     and ``fan_out = C_out``.
@@ -198,14 +209,14 @@ class _SKConvNd(SketchedLayer):
 
     def _check_input(self, input: Tensor) -> None:
         dims = self._dims
+        check_tensor("input", input)
         if input.dim() not in (dims + 1, dims + 2) or input.shape[-dims - 1] != self.in_channels:
             spatial = _SPATIAL_NAMES[dims]
             raise ValueError(
                 f"{type(self).__name__} expected (N, C_in, {spatial}) or (C_in, {spatial}) input with "
                 f"C_in={self.in_channels}, got shape {tuple(input.shape)}"
             )
-        autocast = torch.is_autocast_enabled(input.device.type) and input.dtype != torch.float64
-        if input.dtype != self.S.dtype and not autocast:
+        if input.dtype != self.S.dtype and not _autocast_casts(input):
             raise TypeError(
                 f"{type(self).__name__}: S has dtype {self.S.dtype} but the input has {input.dtype}; "
                 "cast one of them (autocast leaves float64 alone)"

@@ -13,7 +13,7 @@ from .functional import sketched_linear
 from .layer_base import SketchedLayer
 from .low_rank_fit import sketch_factors_from_weight
 from .rank_selection import SketchSize, sketch_size
-from .validation import check_positive_int
+from .validation import check_positive_int, check_tensor
 
 __all__ = ["SKLinear"]
 
@@ -116,7 +116,8 @@ class SKLinear(SketchedLayer):
         return matrix.t() @ U1.t(), U1, U2, U2.t() @ matrix.t()
 
     def forward(self, input: Tensor) -> Tensor:
-        if input.dim() == 0 or input.shape[-1] != self.in_features:
+        if not isinstance(input, Tensor) or input.dim() == 0 or input.shape[-1] != self.in_features:
+            check_tensor("input", input)
             raise ValueError(
                 f"SKLinear expected input with last dimension in_features={self.in_features}, "
                 f"got shape {tuple(input.shape)}"

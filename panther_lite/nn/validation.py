@@ -12,6 +12,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from torch.nn.parameter import is_lazy
 
 __all__ = [
     "check_int",
@@ -106,7 +107,13 @@ def check_tensor(name: str, value, shape: Optional[Sequence[int]] = None, layout
 
 
 def check_materialized(name: str, tensor: Tensor, layer: Optional[str] = None) -> None:
-    """ValueError if ``tensor`` is on the meta device (it has a shape but no values)."""
+    """ValueError if ``tensor`` has no values: a lazy module's uninitialized parameter (no
+    shape yet either) or a tensor on the meta device (a shape but no values)."""
+    if is_lazy(tensor):
+        raise ValueError(
+            f"{_where(layer)}{name} is an uninitialized parameter of a lazy module (nn.LazyLinear, "
+            "nn.LazyConv2d, ...): run a forward pass through the module first so it gets its shape and values"
+        )
     if tensor.is_meta:
         raise ValueError(
             f"{_where(layer)}{name} is on the meta device and has no values to fit: materialise it first "
