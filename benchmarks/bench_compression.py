@@ -13,9 +13,10 @@ Three measurements, one CSV each (and a PNG) in ``--output-dir``:
     layers, at 50% stored size, for each option. Calibration and evaluation sentences are
     disjoint (sentences of Python standard-library docstrings, split in two halves).
 ``compression_memory.csv``
-    Peak resident memory of calibrating a 48-layer transformer-like stack (q/k/v/o and a 4×
-    FFN per block, width 256), each mode in a fresh process: all Grams alive at once, one Gram
-    per shared input, and sequential (one group's statistics at a time).
+    Peak resident memory above the loaded model while converting a 48-layer transformer-like
+    stack (q/k/v/o and a 4× FFN per block, width 512) with calibration, each mode in a fresh
+    process, sampled every millisecond: one Gram per layer (a one-shot iterator), one Gram per
+    shared input (q/k/v), and sequential (one group's statistics at a time).
 
     python benchmarks/bench_compression.py                       # everything, ~10 min on 2 cores
     python benchmarks/bench_compression.py --quick               # tiny sizes, seconds
@@ -34,6 +35,7 @@ import re
 import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,7 +46,7 @@ import torch.nn as nn
 import panther_lite
 from panther_lite.benchmark import device_name, new_figure, save_figure
 from panther_lite.benchmark.tasks import accuracy, load_digits_split, mlp_classifier, train_classifier
-from panther_lite.conversion.tune import tune  # also panther_lite.tune
+from panther_lite import tune
 
 PARTS = ("digits", "minilm", "memory")
 BUDGETS = (0.25, 0.1, 0.05)  # digits: stored size of the two hidden layers over dense
@@ -200,24 +202,60 @@ class _Block(nn.Module):
         return self.norm(x + self.down(torch.relu(self.up(x))))
 
 
+class _ResidentPeak:
+    """Samples this process's resident memory (``/proc/self/statm``) every millisecond in a
+    thread; ``peak`` is the largest seen (bytes)."""
+
+    def __init__(self) -> None:
+        self.peak, self._running = self.now(), True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+
+    def _sample(self) -> None:
+        while self._running:
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.001)
+
+    def __enter__(self) -> "_ResidentPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._running = False
+        self._thread.join()
+
+
 def _memory_case(mode: str, quick: bool) -> dict:
-    """Peak RSS (MiB) of converting the stack with calibration in ``mode``, in this process."""
+    """Peak resident memory above the loaded model (MiB) while converting the stack with
+    calibration in ``mode``, in this process."""
     torch.manual_seed(0)
-    width, depth = (64, 4) if quick else (256, 8)
+    width, depth = (64, 4) if quick else (512, 8)
     model = nn.Sequential(*(_Block(width) for _ in range(depth)))
     batches = [torch.randn(4, 32, width) for _ in range(4)]
     with torch.no_grad():
         model(batches[0])
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    kwargs = dict(param_ratio=0.5, calibration_data=batches, progress=False)
+    kwargs = dict(param_ratio=0.5, calibration_data=batches, progress=False, calibration_device="cpu")
     if mode == "sequential":
         kwargs["sequential"] = True
     elif mode == "no sharing":
         kwargs["calibration_data"] = iter(batches)  # a one-shot iterator: no grouping pass, one Gram per layer
-    panther_lite.convert(model, **kwargs)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    layers = sum(isinstance(m, nn.Module) and hasattr(m, "S1") for m in model.modules())
-    return dict(mode=mode, layers=layers, width=width, peak_rss_mib=peak, above_model_mib=peak - baseline)
+    before = _ResidentPeak.now()
+    with _ResidentPeak() as memory:
+        report = panther_lite.convert(model, **kwargs)
+    # float64 statistics alive at once: a Gram per layer (q, k, v, o, up: width², down: (4·width)²),
+    # one for q/k/v together, or (sequential) the largest group's three matrices
+    per_block = {"no sharing": 5 * width**2 + (4 * width) ** 2, "shared inputs": 3 * width**2 + (4 * width) ** 2}
+    statistics = 8 * (per_block[mode] * depth if mode in per_block else 3 * (4 * width) ** 2)
+    return dict(
+        mode=mode,
+        layers=int((report["status"] == "converted").sum()),
+        width=width,
+        statistics_alive_mib=statistics / 2**20,
+        peak_above_model_mib=(memory.peak - before) / 2**20,
+    )
 
 
 def memory_rows(quick: bool) -> list:
@@ -233,7 +271,7 @@ def memory_rows(quick: bool) -> list:
 
 
 def _plot(frames: dict, path: Path) -> None:
-    fig = new_figure(figsize=(12, 3.8))
+    fig = new_figure(figsize=(16, 4.2))
     axes = fig.subplots(1, len(frames))
     axes = [axes] if len(frames) == 1 else list(axes)
     for ax, (name, df) in zip(axes, frames.items()):
@@ -250,10 +288,15 @@ def _plot(frames: dict, path: Path) -> None:
             ax.set_xlabel("mean cosine to the original embedding")
             ax.set_title("all-MiniLM-L6-v2 at 50%")
         else:
-            ax.barh(df["mode"], df["above_model_mib"], color="tab:orange")
-            ax.set_xlabel("peak RSS above the model (MiB)")
+            rows = range(len(df))
+            ax.barh([r + 0.2 for r in rows], df["peak_above_model_mib"], height=0.4, color="tab:orange", label="peak RSS")
+            ax.barh([r - 0.2 for r in rows], df["statistics_alive_mib"], height=0.4, color="tab:gray", label="statistics")
+            ax.set_yticks(list(rows), df["mode"])
+            ax.set_xlabel("MiB above the loaded model")
             ax.set_title(f"calibration memory, {int(df['layers'].iloc[0])} layers")
-    fig.suptitle(f"panther_lite.convert options — {device_name('cpu')}, shared and loaded by other work", fontsize=9)
+            ax.legend(fontsize=8, loc="lower right")
+    machine = next(iter(frames.values()))["machine"].iloc[0]
+    fig.suptitle(f"panther_lite.convert options — {machine}, shared and loaded by other work", fontsize=9)
     save_figure(fig, path)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import importlib
 
 from . import nn, sketch
-from .nn import SKConv2d, SKLinear
 from .conversion import (
     ConversionError,
     apply_conversion_config,
@@ -13,17 +12,26 @@ from .conversion import (
     convert,
     densify,
     from_pretrained,
+    plot_search,
     save_pretrained,
+    tune,
 )
-from .conversion.tune import tune
+from .nn import SKConv1d, SKConv2d, SKConv3d, SKLinear
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "SKLinear",
+    "SKConv1d",
     "SKConv2d",
+    "SKConv3d",
     "convert",
     "densify",
+    "tune",
+    "plot_search",
+    "save_pretrained",
+    "from_pretrained",
+    "ConversionError",
     "conversion_summary",
     "conversion_config",
     "apply_conversion_config",

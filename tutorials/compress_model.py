@@ -46,7 +46,7 @@ import torch
 import panther_lite
 from panther_lite.benchmark import count_parameters, new_figure, save_figure
 from panther_lite.benchmark.tasks import accuracy, load_digits_split, mlp_classifier, train_classifier
-from panther_lite.conversion.tune import plot_search, tune  # tune is also panther_lite.tune
+from panther_lite import plot_search, tune
 
 RESULTS_STEM = "compress_model_digits"
 WORKFLOW_STEM = "compress_model_workflow"

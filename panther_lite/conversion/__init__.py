@@ -7,13 +7,13 @@ and reports (``report``); :func:`densify` undoes it; :func:`conversion_config` /
 :func:`apply_conversion_config` (``serialization``) rebuild a converted layout so its
 ``state_dict`` loads into a fresh copy of the dense model; :func:`save_pretrained` /
 :func:`from_pretrained` (``pretrained``) save and rebuild a converted model with its config;
-``tune.tune`` (``panther_lite.tune``; not re-exported here, where it would shadow its
-module) finds the smallest budget within a tolerance of the dense score.
+and :func:`tune` (``tuning``) finds the smallest budget within a tolerance of the dense score.
 """
 from .api import convert, densify
 from .pretrained import from_pretrained, save_pretrained
 from .report import conversion_summary
 from .serialization import apply_conversion_config, conversion_config
+from .tuning import plot_search, tune
 from .verification import ConversionError
 
 __all__ = [
@@ -25,4 +25,6 @@ __all__ = [
     "ConversionError",
     "save_pretrained",
     "from_pretrained",
+    "tune",
+    "plot_search",
 ]

@@ -152,7 +152,8 @@ def parameter_owners(model: nn.Module) -> ParameterOwners:
 
 
 def _structural_reason(record: LayerRecord) -> Optional[str]:
-    """Why the module itself cannot be replaced (root, lazy, meta, custom forward, groups)."""
+    """Why the module itself cannot be replaced (root, lazy, meta, custom forward on the class or
+    the instance, groups)."""
     module = record.module
     if record.name == "":
         return "the root module cannot be replaced in place; wrap it in a container (e.g. nn.Sequential)"
@@ -162,6 +163,11 @@ def _structural_reason(record: LayerRecord) -> Optional[str]:
         return (
             "its weight is on the meta device (no values to fit); load the weights first, or rebuild "
             "a converted layout with apply_conversion_config"
+        )
+    if "forward" in vars(module):
+        return (
+            "its forward is replaced on the instance (a monkeypatch, or accelerate's device hooks), custom "
+            "behaviour the sketched layer would drop"
         )
     base = record.kind.base(type(module))
     for method in record.kind.overridden:

@@ -222,8 +222,10 @@ def _no_grad_product(
 def _rows_product(
     x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float, cacheable: bool
 ) -> Tensor:
-    """``(rows, in) -> (rows, out)`` by the route this call needs (see the module docstring)."""
-    if not torch.compiler.is_compiling():
+    """``(rows, in) -> (rows, out)`` by the route this call needs (see the module docstring).
+    Graph capture (compile, export, ``torch.jit.trace``) always records the op: a trace of
+    the cached factors would freeze today's weights into the graph as constants."""
+    if not (torch.compiler.is_compiling() or torch.jit.is_tracing()):
         if _under_transform():
             _check_operands(x, S1, U1, U2, S2, bias)
             return _composable_product(x, S1, U1, U2, S2, bias, scale)

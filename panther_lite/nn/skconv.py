@@ -209,8 +209,9 @@ class _SKConvNd(SketchedLayer):
 
     def _check_input(self, input: Tensor) -> None:
         dims = self._dims
-        check_tensor("input", input)
-        if input.dim() not in (dims + 1, dims + 2) or input.shape[-dims - 1] != self.in_channels:
+        shape_ok = isinstance(input, Tensor) and input.dim() in (dims + 1, dims + 2)
+        if not shape_ok or input.shape[-dims - 1] != self.in_channels:
+            check_tensor("input", input)
             spatial = _SPATIAL_NAMES[dims]
             raise ValueError(
                 f"{type(self).__name__} expected (N, C_in, {spatial}) or (C_in, {spatial}) input with "
@@ -344,7 +345,9 @@ _SHARED_DOC = """
             Default: a kernel drawn with ``nn.Conv{d}d``'s init.
         padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"``.
         init: ``"sketch"`` — random ±1/√k sign sketches ``U_i`` and ``S_i = U_i K_mat``
-            (the anchor's math, an unbiased estimate of the kernel); ``"svd"`` — the best
+            (the anchor's math, an unbiased estimate of the kernel; its intermediate
+            ``conv(x, S)`` is about ``√(C_out/k)`` times the output, which can overflow in
+            float16 where the dense layer does not); ``"svd"`` — the best
             rank-``2Lk`` fit of the ``C_out × fan_in`` unfolding ``K_mat`` (``U = 2L·Qᵀ``,
             ``S = Qᵀ K_mat`` with ``Q`` its top ``2Lk`` left singular vectors).
         seed: makes the random sketches reproducible (drawn on the CPU).

@@ -38,7 +38,11 @@ class SKLinear(SketchedLayer):
         bias: learn an additive bias.
         init: ``"sketch"`` — random ±1/√k sign sketches ``U`` and ``S1 = Wᵀ U1ᵀ``,
             ``S2 = U2ᵀ Wᵀ`` (the Panther/anchor math, an unbiased estimate of ``W``);
-            ``"svd"`` — the exact best rank-``2Lk`` approximation of ``W``.
+            its intermediate ``x·S1`` is a random projection of the output ``x·Wᵀ``, about
+            ``√(out_features/k)`` times larger, so in float16 it can overflow where the dense
+            layer does not (use ``"svd"``, bfloat16 or float32 there);
+            ``"svd"`` — the exact best rank-``2Lk`` approximation of ``W``, whose
+            intermediates are no larger than the output.
         seed: makes the random sketches reproducible (drawn on the CPU).
 
     Shape:

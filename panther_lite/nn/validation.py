@@ -96,24 +96,31 @@ def check_int_tuple(name: str, value, length: int, minimum: int = 1) -> Tuple[in
 
 
 def check_tensor(name: str, value, shape: Optional[Sequence[int]] = None, layout: str = "") -> Tensor:
-    """``value`` if it is a Tensor (TypeError otherwise) of ``shape`` when given (ValueError
-    naming ``layout``, e.g. ``"(out_features, in_features)"``, otherwise)."""
+    """``value`` if it is a Tensor (TypeError otherwise), not a lazy module's uninitialized
+    parameter, of ``shape`` when given (ValueError naming ``layout``, e.g.
+    ``"(out_features, in_features)"``, otherwise)."""
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a Tensor, got {type(value).__name__}")
+    _check_not_lazy(name, value)
     if shape is not None and tuple(value.shape) != tuple(shape):
         described = f"{layout} = " if layout else ""
         raise ValueError(f"{name} must have shape {described}{tuple(shape)}, got {tuple(value.shape)}")
     return value
 
 
-def check_materialized(name: str, tensor: Tensor, layer: Optional[str] = None) -> None:
-    """ValueError if ``tensor`` has no values: a lazy module's uninitialized parameter (no
-    shape yet either) or a tensor on the meta device (a shape but no values)."""
+def _check_not_lazy(name: str, tensor: Tensor, layer: Optional[str] = None) -> None:
+    """ValueError if ``tensor`` is a lazy module's uninitialized parameter (no shape, no values)."""
     if is_lazy(tensor):
         raise ValueError(
             f"{_where(layer)}{name} is an uninitialized parameter of a lazy module (nn.LazyLinear, "
             "nn.LazyConv2d, ...): run a forward pass through the module first so it gets its shape and values"
         )
+
+
+def check_materialized(name: str, tensor: Tensor, layer: Optional[str] = None) -> None:
+    """ValueError if ``tensor`` has no values: a lazy module's uninitialized parameter (no
+    shape yet either) or a tensor on the meta device (a shape but no values)."""
+    _check_not_lazy(name, tensor, layer)
     if tensor.is_meta:
         raise ValueError(
             f"{_where(layer)}{name} is on the meta device and has no values to fit: materialise it first "

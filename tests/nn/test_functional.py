@@ -328,3 +328,13 @@ def test_float16_svd_conversion_stays_finite_where_dense_is(num_terms):
             out = layer(x.half())
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out.double(), dense_out, rtol=0, atol=2e-2 * dense_out.abs().max().item())
+
+
+def test_jit_trace_records_the_op_so_later_weight_updates_are_seen():
+    layer = SKLinear(16, 8, 2, 2, seed=0).requires_grad_(False)
+    x = torch.randn(3, 16)
+    layer(x)  # warm the no-grad factor cache: the trace must not capture it as constants
+    traced = torch.jit.trace(layer, (x,), check_trace=False)
+    with torch.no_grad():
+        layer.S1.mul_(2)
+    torch.testing.assert_close(traced(x), layer(x))
