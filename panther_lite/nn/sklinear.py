@@ -127,7 +127,17 @@ class SKLinear(SketchedLayer):
                 f"got shape {tuple(input.shape)}"
             )
         self._drop_weight_cache()
-        return sketched_linear(input, self.S1, self.U1, self.U2, self.S2, self.bias, self.scale)
+        return sketched_linear(input, *self._operands(), self.scale)
+
+    def _operands(self) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+        """``(S1, U1, U2, S2, bias)``. Read from the registries directly: five
+        ``Module.__getattr__`` calls cost more than the GEMMs of a small layer's eager call.
+        Parametrized (or otherwise overridden) factors are not in the registries."""
+        params, buffers = self._parameters, self._buffers
+        try:
+            return params["S1"], buffers["U1"], buffers["U2"], params["S2"], params["bias"]
+        except KeyError:
+            return self.S1, self.U1, self.U2, self.S2, self.bias
 
     def effective_weight(self) -> Tensor:
         """The dense weight ``(out_features, in_features)`` this layer applies:

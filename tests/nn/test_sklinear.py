@@ -543,3 +543,22 @@ def test_vmap_over_inputs_and_over_stacked_parameters():
             [run({n: p[i] for n, p in ensemble.items()}, inputs if in_dims[1] is None else inputs[i]) for i in range(3)]
         )
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+class _Doubled(nn.Module):
+    def forward(self, S: torch.Tensor) -> torch.Tensor:
+        return 2 * S
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_parametrized_factors_are_used_by_forward(grad):
+    from torch.nn.utils import parametrize
+
+    layer = SKLinear(12, 6, 2, 3, seed=0, dtype=torch.float64)
+    x = torch.randn(5, 12, dtype=torch.float64)
+    with torch.no_grad():
+        expected = x @ layer.effective_weight().t() + layer.bias
+        expected = expected + x @ (layer.scale * layer.S1 @ layer.U1)  # S1 -> 2·S1 adds one more S1 term
+    parametrize.register_parametrization(layer, "S1", _Doubled())
+    with torch.set_grad_enabled(grad):
+        torch.testing.assert_close(layer(x), expected)
