@@ -274,17 +274,20 @@ class SketchedLayer(nn.Module):
         - When autograd needs it (grad mode on and a factor requires grad) or under
           ``torch.compile`` it is :meth:`effective_weight`, differentiable, recomputed on
           every read (compile drops it when only ``.dtype``/``.shape`` are used).
-        - Otherwise it is detached and reused while the factors are unchanged (version
-          counters, storage, and optimizer steps, fused ones included; see
-          :mod:`panther_lite.nn.change_detection`): repeated reads cost one product. The
-          layer's own forward drops it, so memory is held only between a read and the next
-          call; a layer whose forward is never run (``nn.MultiheadAttention``'s
+        - Otherwise the product is computed once and kept while the factors are unchanged
+          (version counters, storage, dtype, device, and optimizer steps, fused ones
+          included; see :mod:`panther_lite.nn.change_detection`); each read returns a
+          detached copy of it (a memory copy, not a product), so writing into what a read
+          returned, even through ``.data``, changes neither the layer nor later reads. The
+          layer's own forward drops the kept product, so memory is held only between a read
+          and the next call; a layer whose forward is never run (``nn.MultiheadAttention``'s
           ``out_proj``) keeps one dense weight. ``.to()``/``.half()``, deepcopy and pickling
-          drop it too. A write through ``param.data`` outside an optimizer is not
-          detected: read ``effective_weight()`` after such writes.
+          drop it too. A write into the *factors* through ``param.data`` outside an optimizer
+          is not detected: read ``effective_weight()`` after such writes.
 
-        Writing to the returned tensor does not change the layer; assigning ``weight``
-        raises AttributeError (use :meth:`initialize_from_weight`).
+        Like ``nn.Linear.weight``, it has the factors' dtype under autocast too (it is
+        computed with autocast off), so a read under autocast equals a read outside it.
+        Assigning ``weight`` raises AttributeError (use :meth:`initialize_from_weight`).
         """
         factors = self._factors()
         if (
@@ -292,16 +295,24 @@ class SketchedLayer(nn.Module):
             or (torch.is_grad_enabled() and any(f.requires_grad for f in factors))
             or any(f.is_inference() for f in factors)
         ):
-            return self.effective_weight()
+            return self._effective_weight_without_autocast()
         signature = tensor_signature(factors)
         cached = self.__dict__.get("_weight_cache")
-        if cached is not None and cached[0] == signature and cached[1]._version == cached[2]:
-            return cached[1]
-        with torch.no_grad():
-            weight = self.effective_weight()
-        if not weight.is_inference():
-            self.__dict__["_weight_cache"] = (signature, weight, weight._version)
-        return weight
+        if cached is None or cached[0] != signature:
+            with torch.no_grad():
+                weight = self._effective_weight_without_autocast()
+            if weight.is_inference():  # computed under inference_mode: nothing to keep it for
+                return weight
+            cached = self.__dict__["_weight_cache"] = (signature, weight)
+        return cached[1].clone()
+
+    def _effective_weight_without_autocast(self) -> Tensor:
+        """:meth:`effective_weight` in the factors' dtype, whatever the autocast state."""
+        device_type = self._factors()[0].device.type
+        if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):
+                return self.effective_weight()
+        return self.effective_weight()
 
     def _drop_weight_cache(self) -> None:
         """Free the cached ``weight`` (called by the layers' forward; a no-op under compile)."""

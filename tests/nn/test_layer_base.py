@@ -60,18 +60,26 @@ def test_weight_is_the_effective_weight_in_the_dense_layout_and_differentiable(k
 @pytest.mark.parametrize("kind", KINDS)
 def test_weight_outside_autograd_is_reused_until_the_factors_change(kind):
     _, layer, x = make(kind)
+
+    def kept():
+        return layer.__dict__["_weight_cache"][1]
+
     with torch.no_grad():
         first = layer.weight
-        assert layer.weight is first and not first.requires_grad
+        assert kept() is not first and torch.equal(layer.weight, first) and not first.requires_grad
+        product = kept()
+        layer.weight
+        assert kept() is product  # reused: no new product
         next(layer.parameters()).mul_(2)  # in-place write: version counter moves
         second = layer.weight
-        assert second is not first
+        assert kept() is not product and not torch.equal(second, first)
         torch.testing.assert_close(second, layer.effective_weight(), rtol=0, atol=0)
+        product = kept()
         layer.load_state_dict(state(layer))  # copy_ into every factor
-        assert layer.weight is not second
-        first_of_forward = layer.weight
+        layer.weight
+        assert kept() is not product
         layer(x)  # the forward frees it
-        assert "_weight_cache" not in layer.__dict__ and layer.weight is not first_of_forward
+        assert "_weight_cache" not in layer.__dict__
 
 
 @pytest.mark.parametrize("fused", [False, True])
