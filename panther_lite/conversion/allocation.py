@@ -224,9 +224,16 @@ def allocate_budget(layers: Sequence[LayerSpectrum], budget: float, *, num_terms
     Raises:
         BudgetTooSmall: (a ValueError) ``budget`` is below :func:`minimum_stored` (every layer
             at its cheapest).
+        ValueError: a layer's ``importance`` is NaN, infinite or negative.
     """
     if num_terms < 1:
         raise ValueError(f"num_terms must be >= 1, got {num_terms}")
+    for index, layer in enumerate(layers):
+        if not (math.isfinite(layer.importance) and layer.importance >= 0):
+            raise ValueError(
+                f"layers[{index}].importance must be a finite number >= 0, got {layer.importance!r}: "
+                "a NaN/inf weight would make every error incomparable (everything would stay dense)"
+            )
     menus = [_menu(layer, num_terms) for layer in layers]
     floor = sum(menu.costs[0] for menu in menus)
     if budget < floor:

@@ -10,7 +10,9 @@ sized by the default ``param_ratio`` (:mod:`.allocation`).
 """
 from __future__ import annotations
 
+import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -204,7 +206,10 @@ def plan_global(
     whitened spectrum (``grams[name]``, or the weight's own spectrum when None), each weighted
     by the layer's squared gain to the model's output (``gains[name]``, default 1; see
     :mod:`.sensitivity`); layers the budget is better spent keeping dense, or no sketch
-    beats, are kept dense."""
+    beats, are kept dense. Gains that are not finite numbers >= 0 (a model whose output goes
+    non-finite under the sensitivity probe) are dropped with a warning naming the layers:
+    the plan then weighs every layer alike (relative errors alone)."""
+    gains = _usable_gains(gains)
     budget = ratio * sum(record.dense_params for record in records)
     spectra = [
         LayerSpectrum(
@@ -231,6 +236,22 @@ def plan_global(
         aligned = record.to_convert and allocation.low_rank % spectrum.multiple == 0
         notes[record.name] = PlanNote(rank_multiple=spectrum.multiple if aligned else 1, budget_share=share)
     return notes
+
+
+def _usable_gains(gains: Dict[str, float]) -> Dict[str, float]:
+    """``gains``, or ``{}`` (every layer weighted 1) with a warning when any is NaN, infinite
+    or negative: one unusable weight makes the errors incomparable."""
+    bad = sorted(name for name, gain in gains.items() if not (math.isfinite(gain) and gain >= 0))
+    if not bad:
+        return gains
+    warnings.warn(
+        f"allocation='global': layers {bad[:5]} have a non-finite output gain (the model's output went NaN/inf "
+        "when noise was added to their outputs on the calibration batch), so the gains cannot weigh the layers' "
+        "errors; allocating with every layer weighted alike (relative output errors alone)",
+        UserWarning,
+        stacklevel=4,
+    )
+    return {}
 
 
 def _dense_reason(record: LayerRecord, cheapest: int, share: float) -> str:

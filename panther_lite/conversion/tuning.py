@@ -13,13 +13,17 @@ never touched; the model is left converted at ``ρ*`` only once the search has s
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
+import numpy as np
+import torch
 import torch.nn as nn
 
 from .allocation import BudgetTooSmall
+from .calibration import reiterable
 from .surgery import undo_swaps
 
 if TYPE_CHECKING:
@@ -127,12 +131,22 @@ def _check_tune_arguments(
     _check_number("resolution", resolution, 0.0, math.inf, closed_low=False)
     if isinstance(max_evaluations, bool) or not isinstance(max_evaluations, int) or max_evaluations < 1:
         raise ValueError(f"max_evaluations must be an integer >= 1, got {max_evaluations!r}")
+    data = convert_kwargs.get("calibration_data")
+    if data is not None and not callable(data) and not reiterable(data):
+        raise TypeError(
+            "tune converts the model once per trial, each time running calibration_data: pass a list of batches, "
+            f"a DataLoader or a callable, not a one-shot iterator ({type(data).__name__}) that only the first "
+            "trial would see"
+        )
     return low, high
 
 
 def _score(evaluate, model: nn.Module) -> float:
+    """``evaluate(model)`` as a float: a Python or NumPy real number or a one-element tensor."""
     score = evaluate(model)
-    if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+    if isinstance(score, torch.Tensor) and score.numel() == 1 and not score.dtype.is_complex:
+        score = score.item()
+    if isinstance(score, (bool, np.bool_)) or not isinstance(score, numbers.Real) or not math.isfinite(score):
         raise TypeError(f"evaluate(model) must return a finite number (higher is better), got {score!r}")
     return float(score)
 
@@ -155,11 +169,14 @@ def tune(
     Args:
         model: the dense model (modified in place only once the search succeeded).
         evaluate: ``evaluate(model) -> float``, higher is better (e.g. accuracy on held-out
-            data). Called once on the dense model, then once per tried budget.
+            data; a NumPy number or a one-element tensor is fine). Called once on the dense
+            model, then once per tried budget. A trial that converts no layer (every layer
+            kept dense, e.g. below uniform's per-layer minimum) never passes.
         tolerance: how much score may be lost: a budget passes when
             ``evaluate(converted) >= evaluate(dense) - tolerance``.
         calibration_data: as for :func:`~panther_lite.convert` (recommended: the fits then
-            keep what the layers compute on real inputs).
+            keep what the layers compute on real inputs); run once per trial, so a list, a
+            DataLoader or a callable, not a one-shot iterator (TypeError).
         ratio_range: ``(low, high)`` budgets searched (the whole selected layers' stored size
             as a fraction of dense); ``high`` is assumed to pass (1: everything dense).
         resolution: the search stops when the smallest passing and the largest failing
@@ -183,7 +200,8 @@ def tune(
     from .api import convert_undoable
     from .surgery import stored_numel
 
-    low, high = _check_tune_arguments(model, evaluate, tolerance, ratio_range, resolution, max_evaluations, convert_kwargs)
+    checked = dict(convert_kwargs, calibration_data=calibration_data)
+    low, high = _check_tune_arguments(model, evaluate, tolerance, ratio_range, resolution, max_evaluations, checked)
     convert_kwargs.setdefault("allocation", "global")
     convert_kwargs.update(calibration_data=calibration_data, progress=False)  # tune shows one bar of its own
     start = time.perf_counter()
@@ -202,7 +220,7 @@ def tune(
             swaps = [(parent, child, getattr(parent, child)) for parent, child, _ in log]
         finally:
             undo_swaps(log)
-        passed = score >= threshold
+        passed = score >= threshold and bool((report["status"] == "converted").any())  # all dense: no pass
         steps.append(SearchStep(budget, score, stored, time.perf_counter() - began, passed))
         if passed:
             best.update(report=report, swaps=swaps)
