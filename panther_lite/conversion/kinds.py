@@ -52,17 +52,17 @@ class LayerKind:
         cls = self.replacement or self.sketched
         return getattr(cls, self.constructor)(self.dense_view(module), num_terms, low_rank, **options)
 
-    def build_placeholder(self, module: nn.Module, num_terms: int, low_rank: int) -> nn.Module:
-        """A sketched layer of ``module``'s shape and options, on its device and dtype,
-        that is not fitted (its values are placeholders for a state_dict; on the meta
-        device it holds none)."""
+    def build_placeholder(self, module: nn.Module, num_terms: int, low_rank: int, device=None) -> nn.Module:
+        """A sketched layer of ``module``'s shape and options, on its dtype and device (or
+        ``device``), that is not fitted (its values are placeholders for a state_dict; on
+        the meta device it holds none)."""
         cls = self.replacement or self.sketched
         return cls(
             **cls._options_from_dense(self.dense_view(module)),
             num_terms=num_terms,
             low_rank=low_rank,
             dtype=module.weight.dtype,
-            device=module.weight.device,
+            device=module.weight.device if device is None else device,
         )
 
 

@@ -3,11 +3,14 @@ and rebuilding that layout in a fresh copy of the dense model so a converted
 ``state_dict`` loads into it."""
 from __future__ import annotations
 
+import math
+import warnings
 from typing import List, Mapping, Tuple
 
 import torch.nn as nn
 
 from ..nn import SKLinear
+from ..nn.validation import check_sketch_rank
 from .fitting import match_trainability
 from .kinds import HF_CONV1D, KIND_BY_NAME, KINDS, SKETCHED_TYPES, LayerKind, dense_kind_of
 from .surgery import swap_modules
@@ -126,6 +129,9 @@ def _target_module(model: nn.Module, entry: Mapping, kind: LayerKind) -> nn.Modu
             f"layer {fqn!r} has weight shape {list(module.weight.shape)} and bias={module.bias is not None}, "
             f"the config expects {list(entry['shape'])} and bias={entry['bias']}"
         )
+    shape = entry["shape"]
+    fan_in, fan_out = (shape[0], shape[1]) if kind is HF_CONV1D else (math.prod(shape[1:]), shape[0])
+    check_sketch_rank(entry["num_terms"], entry["low_rank"], fan_in, fan_out, layer=fqn)
     return module
 
 
@@ -139,11 +145,18 @@ def apply_conversion_config(model: nn.Module, config: Mapping) -> nn.Module:
 
     The whole config is validated against the model first (ValueError naming the bad
     entry and field: no ``layers``, a field missing or of the wrong type, an unknown kind,
-    a layer the model lacks or whose shape differs); on any error the model is unchanged.
+    a layer the model lacks or whose shape differs, ranks that do not fit the layer's shape —
+    see :func:`~panther_lite.nn.validation.check_sketch_rank`) and every layer is built on the
+    meta device before any is built for real, so a tampered config fails without allocating;
+    on any error the model is unchanged.
     Returns ``model``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     targets = [(entry, kind, _target_module(model, entry, kind)) for entry, kind in _check_config(config)]
+    with warnings.catch_warnings():  # the real build below warns (a sketch larger than dense) once
+        warnings.simplefilter("ignore", UserWarning)
+        for entry, kind, module in targets:  # constructor errors first, without allocating
+            kind.build_placeholder(module, entry["num_terms"], entry["low_rank"], device="meta")
     replacements = []
     for entry, kind, module in targets:
         if module.weight.is_meta:

@@ -13,7 +13,7 @@ from ..sketch.dense import sign_matrix
 from .layer_base import SketchedLayer
 from .low_rank_fit import output_subspace
 from .rank_selection import SketchSize, sketch_size
-from .validation import check_choice, check_int_tuple, check_positive_int, check_tensor
+from .validation import check_choice, check_int_tuple, check_positive_int, check_sketch_fits_a_tensor, check_tensor
 
 __all__ = ["SKConv1d", "SKConv2d", "SKConv3d", "conv_sketch_size"]
 
@@ -145,6 +145,7 @@ class _SKConvNd(SketchedLayer):
         self._reversed_padding_repeated_twice = _reversed_padding(self.padding, self.kernel_size, self.dilation)
         if layer is not None:
             self._check_layer(layer, bias)
+        check_sketch_fits_a_tensor(self.num_terms, self.low_rank, in_channels * math.prod(self.kernel_size), out_channels)
         rank = 2 * self.num_terms * self.low_rank
         self.S = nn.Parameter(torch.empty(rank, in_channels, *self.kernel_size, **factory_kwargs))
         self.register_buffer("U", torch.empty(rank, out_channels, **factory_kwargs))

@@ -13,7 +13,7 @@ from .functional import sketched_linear
 from .layer_base import SketchedLayer
 from .low_rank_fit import sketch_factors_from_weight
 from .rank_selection import SketchSize, sketch_size
-from .validation import check_positive_int, check_tensor
+from .validation import check_positive_int, check_sketch_fits_a_tensor, check_tensor
 
 __all__ = ["SKLinear"]
 
@@ -79,6 +79,7 @@ class SKLinear(SketchedLayer):
         super().__init__(num_terms, low_rank, init, seed)
         self.in_features = check_positive_int("in_features", in_features)
         self.out_features = check_positive_int("out_features", out_features)
+        check_sketch_fits_a_tensor(self.num_terms, self.low_rank, in_features, out_features)
         if W_init is not None:
             self._check_dense_weight("W_init", W_init, values=False)
         rank = self.num_terms * self.low_rank

@@ -25,7 +25,15 @@ __all__ = [
     "check_materialized",
     "check_finite",
     "check_gram",
+    "check_sketch_fits_a_tensor",
+    "check_sketch_rank",
 ]
+
+# Largest element count of one tensor (int64 sizes).
+_MAX_TENSOR_ENTRIES = 2**63 - 1
+# A sketch's total rank 2·L·k may exceed its larger side (the anchor's random sketches do,
+# for variance), but not by more than this factor when read from an untrusted config.
+MAX_RANK_OVER_SIDE = 16
 
 # A calibration Gram may miss positive semi-definiteness by rounding: eigenvalues down to
 # -_GRAM_TOLERANCE · mean(diag) pass (the fit adds a ridge of this order anyway).
@@ -172,4 +180,30 @@ def check_gram(
             f"{_where(layer)}{name} is not positive semi-definite (it has an eigenvalue below "
             f"-{_GRAM_TOLERANCE:g}·mean(diag)); a Gram XᵀX of calibration inputs always is: check how it was "
             "accumulated"
+        )
+
+
+def check_sketch_fits_a_tensor(num_terms: int, low_rank: int, fan_in: int, fan_out: int) -> None:
+    """ValueError naming ``num_terms`` and ``low_rank`` when a sketch's stored factors
+    (``2·L·k·(fan_in + fan_out)`` entries) could not be one tensor (int64 sizes overflow)."""
+    entries = 2 * num_terms * low_rank * (fan_in + fan_out)
+    if entries > _MAX_TENSOR_ENTRIES:
+        raise ValueError(
+            f"num_terms={num_terms} and low_rank={low_rank} give factors of {entries:.3g} entries "
+            f"(fan_in={fan_in}, fan_out={fan_out}), more than a tensor can hold; lower num_terms * low_rank"
+        )
+
+
+def check_sketch_rank(num_terms: int, low_rank: int, fan_in: int, fan_out: int, layer: Optional[str] = None) -> None:
+    """ValueError naming ``low_rank``/``num_terms`` (and the layer) when a sketch's ranks do not
+    fit the layer's shape: ``low_rank`` above ``max(fan_in, fan_out)`` or the total rank
+    ``2·L·k`` above :data:`MAX_RANK_OVER_SIDE` times it. Used on sizes read from files, so a
+    tampered config fails before any memory is allocated."""
+    side = max(fan_in, fan_out)
+    if low_rank > side:
+        raise ValueError(f"{_where(layer)}low_rank={low_rank} exceeds the layer's larger side {side} ({fan_in} -> {fan_out})")
+    if 2 * num_terms * low_rank > MAX_RANK_OVER_SIDE * side:
+        raise ValueError(
+            f"{_where(layer)}num_terms={num_terms} with low_rank={low_rank} gives a total rank 2*num_terms*low_rank = "
+            f"{2 * num_terms * low_rank:,}, over {MAX_RANK_OVER_SIDE}x the layer's larger side {side} ({fan_in} -> {fan_out})"
         )

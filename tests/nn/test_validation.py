@@ -93,3 +93,12 @@ def test_gram_checks_shape_values_symmetry_and_definiteness():
     gram[1, 1] = float("inf")
     with pytest.raises(ValueError, match="gram contains non-finite values"):
         check_gram(gram, 6)
+
+
+@pytest.mark.parametrize("num_terms, low_rank", [(2**40, 2**40), (2**62, 1), (1, 2**62)])
+def test_sketch_sizes_beyond_a_tensor_are_named(num_terms, low_rank):
+    from panther_lite.nn import SKConv2d, SKLinear
+
+    for build in (lambda: SKLinear(64, 64, num_terms, low_rank), lambda: SKConv2d(4, 4, num_terms=num_terms, low_rank=low_rank)):
+        with pytest.raises(ValueError, match="num_terms=.*low_rank=.*more than a tensor can hold"):
+            build()
