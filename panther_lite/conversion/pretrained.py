@@ -163,8 +163,10 @@ def save_pretrained(model: nn.Module, directory: PathLike) -> None:
     Writes the model's own files (transformers ``save_pretrained`` with safetensors,
     sentence-transformers ``save``, or ``model.safetensors`` with the ``state_dict``) and
     ``panther_lite_config.json`` (the :func:`~panther_lite.conversion_config`). Everything is
-    written to a temporary directory first and then moved into ``directory`` (created if
-    needed; files already there under other names stay), so a failure leaves it unchanged.
+    written to a temporary directory inside ``directory`` first (so nothing is written next
+    to it: its parent may be read-only) and then moved into place (``directory`` is created
+    if needed; files already there under other names stay), so a failure while writing
+    leaves it unchanged (a directory this call created is removed again).
 
     Args:
         model: any ``nn.Module``; a PEFT model is saved whole (base and adapters) as a state_dict.
@@ -183,15 +185,21 @@ def save_pretrained(model: nn.Module, directory: PathLike) -> None:
     conversion = conversion_config(model)
     if saved_with == _SENTENCE_TRANSFORMERS:
         _check_layers_reloadable(model, conversion)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    # staged inside the target (same filesystem for the renames; its parent may be read-only)
+    staging = Path(tempfile.mkdtemp(prefix=".panther_lite_staging.", dir=directory))
     try:
         _write_model_files(model, saved_with, staging, conversion)
         record = dict(format=_FORMAT, version=_VERSION, saved_with=saved_with, conversion=conversion)
         (staging / PRETRAINED_CONFIG_NAME).write_text(json.dumps(record, indent=2) + "\n")
         _move_into(staging, directory)
-    finally:
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        if created:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def _read_record(directory: PathLike) -> Tuple[Path, dict]:
@@ -270,18 +278,28 @@ def _check_sketched_keys_loaded(conversion: Mapping, missing_keys, directory: Pa
         raise ValueError(f"{str(directory)!r} lacks the weights of sketched layers: {', '.join(missing[:5])}")
 
 
-def _read_weights(directory: Path) -> Dict[str, torch.Tensor]:
-    """The tensors of a transformers-style weights file, or of all its shards."""
+def _load_weights_file(path: Path) -> Dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; ValueError naming the file when it is truncated,
+    corrupt or not a safetensors file at all."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{str(path)!r} is not a readable safetensors file (truncated or corrupt?): {error}") from error
+
+
+def _read_weights(directory: Path) -> Dict[str, torch.Tensor]:
+    """The tensors of a transformers-style weights file, or of all its shards."""
     if (directory / WEIGHTS_NAME).is_file():
-        return load_file(str(directory / WEIGHTS_NAME))
+        return _load_weights_file(directory / WEIGHTS_NAME)
     index = directory / _SHARD_INDEX_NAME
     if not index.is_file():
         raise FileNotFoundError(f"{str(directory)!r} has neither {WEIGHTS_NAME} nor {_SHARD_INDEX_NAME}")
     tensors: Dict[str, torch.Tensor] = {}
     for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        tensors.update(load_file(str(directory / shard)))
+        tensors.update(_load_weights_file(directory / shard))
     return tensors
 
 
@@ -390,10 +408,9 @@ def _load_state_dict_file(factory: Callable[..., nn.Module], directory: Path, co
     if not isinstance(model, nn.Module):
         raise TypeError(f"the factory must return an nn.Module, got {type(model).__name__}")
     apply_conversion_config(model, conversion)
-    from safetensors.torch import load_file
-
+    state = _load_weights_file(path)
     try:
-        _assign_state_dict(model, load_file(str(path)))
+        _assign_state_dict(model, state)
     except RuntimeError as error:  # load_state_dict's missing/unexpected keys or size mismatches
         raise ValueError(
             f"{str(path)!r} does not fit the model the factory built (another architecture or other sizes "
