@@ -66,8 +66,12 @@ def check_calibration_device(device: Union[str, torch.device, None]) -> Optional
     return device
 
 
-def run_batch(model: nn.Module, batch) -> object:
-    """``model(b)`` for a Tensor, ``model(*b)`` for a tuple/list, ``model(**b)`` for a dict."""
+def run_batch(model: nn.Module, batch, index: Optional[int] = None) -> object:
+    """``model(b)`` for a Tensor, ``model(*b)`` for a tuple/list, ``model(**b)`` for a dict;
+    ``index`` (the batch's position, when known) goes into the error for any other batch."""
+    if batch is None:
+        where = "" if index is None else f" {index}"
+        raise TypeError(f"calibration batch{where} is None; calibration_data must hold only batches (Tensor, tuple or dict)")
     if isinstance(batch, Tensor):
         return model(batch)
     if isinstance(batch, (tuple, list)):
@@ -181,6 +185,16 @@ class _SameInput:
         self.same = self.same and layer_input(args, kwargs) is self.leader.last_input
 
 
+def check_finite_inputs(name: str, batch_index: int, statistics: Iterable[Tensor]) -> None:
+    """ValueError naming the batch and the layer once a layer's input statistics (Grams
+    accumulated up to batch ``batch_index``) hold NaN/Inf: that batch fed it non-finite inputs."""
+    if not all(bool(torch.isfinite(statistic).all()) for statistic in statistics):
+        raise ValueError(
+            f"calibration batch {batch_index} gives layer {name!r} inputs with NaN/Inf entries (in the batch itself "
+            "or produced by the layers before it); fix or drop that batch"
+        )
+
+
 def reiterable(calibration_data) -> bool:
     """Whether the batches can be run again (not a callable, not a one-shot iterator)."""
     return not callable(calibration_data) and iter(calibration_data) is not calibration_data
@@ -222,7 +236,7 @@ def group_layers(model: nn.Module, records: List[LayerRecord], batch) -> CallOrd
     handles = [r.module.register_forward_pre_hook(hook_for(r), with_kwargs=True) for r in records]
     try:
         with evaluation_run(model):
-            run_batch(model, batch)
+            run_batch(model, batch, 0)
     finally:
         for handle in handles:
             handle.remove()
@@ -268,8 +282,11 @@ def _record(model: nn.Module, groups: List[List[LayerRecord]], calibration_data,
                 calibration_data(model)
             else:
                 batches = progress_bar(calibration_data, "calibrating", "batch", progress)
-                for batch in _recording_first(batches, first):
-                    run_batch(model, batch)
+                leaders = list({id(recorder): recorder for recorder in recorders.values()}.values())
+                for index, batch in enumerate(_recording_first(batches, first)):
+                    run_batch(model, batch, index)
+                    for leader in leaders:  # in call order: the first layer the bad inputs reached
+                        check_finite_inputs(leader.record.name, index, [leader.gram])
     finally:
         for handle in handles:
             handle.remove()

@@ -30,7 +30,9 @@ import torch.nn as nn
 from torch import Tensor
 
 from ..nn.low_rank_fit import relative_error
-from .calibration import CallOrder, conv_patches, evaluation_run, group_layers, layer_input, run_batch
+from .calibration import (
+    CallOrder, check_finite_inputs, checked_input, conv_patches, evaluation_run, group_layers, run_batch,
+)
 from .fitting import FitResult, match_trainability
 from .kinds import LINEAR_KINDS
 from .layer_record import LayerRecord
@@ -81,7 +83,7 @@ class _GroupStatistics:
 
     def hook(self, record: LayerRecord) -> Callable:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            x = layer_input(args, kwargs)
+            x = checked_input(record, module, args, kwargs)
             if record is not self.leader:
                 self.shared = self.shared and x is self.last_input
                 return
@@ -128,10 +130,10 @@ class _StopAfterGroup:
 
         return forward_hook
 
-    def run(self, model: nn.Module, batch) -> None:
+    def run(self, model: nn.Module, batch, index: int) -> None:
         self.seen = {}
         try:
-            run_batch(model, batch)
+            run_batch(model, batch, index)
         except _GroupDone:
             pass
 
@@ -146,16 +148,17 @@ def _record_group(
     handles += [r.module.register_forward_hook(stop.hook(r)) for r in stats.group]
     try:
         with evaluation_run(model):
-            for batch in batches:
+            for index, batch in enumerate(batches):
                 stats.phase = "original"
-                stop.run(model, batch)
+                stop.run(model, batch, index)
                 stats.phase, stats.last_input = "converted", None
                 log = swap_modules(model, list(fitted.items()))
                 try:
-                    stop.run(model, batch)
+                    stop.run(model, batch, index)
                 finally:
                     undo_swaps(log)
                 stats.queue.clear()
+                check_finite_inputs(stats.leader.name, index, [stats.current, stats.original])
     finally:
         for handle in handles:
             handle.remove()
@@ -219,8 +222,9 @@ def fit_sequentially(
     ``seed + its index in records``. Statistics live on ``device`` (None: the layer's);
     ``fit`` picks the decomposition as in :func:`~panther_lite.conversion.fitting.fit_layer`.
     """
-    first = next(iter(batches), None)
-    if first is None:
+    for first in batches:  # a None first batch is an error of group_layers, not "no batches"
+        break
+    else:
         return {}, list(records)
     order: CallOrder = group_layers(model, records, first)
     seeds = {record.name: None if seed is None else seed + i for i, record in enumerate(records)}
