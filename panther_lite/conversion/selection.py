@@ -6,6 +6,9 @@ import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch.nn as nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from .adapters import adapter_skip_reason
 from .kinds import KINDS, LINEAR_KINDS, SKETCHED_TYPES, kind_of
@@ -151,6 +154,19 @@ def parameter_owners(model: nn.Module) -> ParameterOwners:
     return owners
 
 
+def _reparametrization(module: nn.Module) -> Optional[str]:
+    """What recomputes the module's parameters on every call: ``torch.nn.utils.parametrize``
+    parametrizations (``parametrizations.weight_norm``/``spectral_norm``, ...) or the older
+    hook-based ``weight_norm``/``spectral_norm``; None when nothing does."""
+    if parametrize.is_parametrized(module):
+        found = [f"{type(p).__name__} on {name!r}" for name, ps in module.parametrizations.items() for p in ps]
+        return "the parametrization " + ", ".join(found)
+    hooks = [hook for hook in module._forward_pre_hooks.values() if isinstance(hook, (WeightNorm, SpectralNorm))]
+    if hooks:
+        return "the hook " + ", ".join(f"{type(hook).__name__} on {hook.name!r}" for hook in hooks)
+    return None
+
+
 def _structural_reason(record: LayerRecord) -> Optional[str]:
     """Why the module itself cannot be replaced (root, lazy, meta, custom forward on the class or
     the instance, groups)."""
@@ -163,6 +179,13 @@ def _structural_reason(record: LayerRecord) -> Optional[str]:
         return (
             "its weight is on the meta device (no values to fit); load the weights first, or rebuild "
             "a converted layout with apply_conversion_config"
+        )
+    reparametrized = _reparametrization(module)
+    if reparametrized is not None:
+        return (
+            f"its parameters are recomputed on every call by {reparametrized}, which the sketched layer "
+            "would drop; remove it first (torch.nn.utils.parametrize.remove_parametrizations, "
+            "remove_weight_norm or remove_spectral_norm) or exclude this layer"
         )
     if "forward" in vars(module):
         return (
