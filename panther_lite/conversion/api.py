@@ -32,7 +32,7 @@ from .selection import ModuleFilter, ModuleSelector, check_filter, check_selecto
 from .sensitivity import output_gains
 from .sequential import check_sequential_data, fit_sequentially
 from .speed import keep_slower_layers_dense
-from .surgery import SwapLog, stored_numel, swap_modules, undo_swaps
+from .surgery import SwapLog, restores_buffers_on_error, stored_numel, swap_modules, undo_swaps
 from .verification import check_converted_model_runs
 
 if TYPE_CHECKING:
@@ -225,6 +225,9 @@ def convert(
     Raises:
         TypeError / ValueError naming the argument, or the layer (inf/NaN weights or
         calibration inputs, a batch that does not fit it); ConversionError (see above).
+        After any error the model holds its original modules, weights and buffers (a
+        forward that changed buffers during calibration, e.g. BatchNorm statistics of a
+        model that switches itself to training, has them put back).
     """
     report, _ = _convert(**locals())  # every argument, by name
     return report
@@ -238,6 +241,7 @@ def convert_undoable(model: nn.Module, **kwargs) -> Tuple["pd.DataFrame", SwapLo
     return _convert(**bound.arguments)
 
 
+@restores_buffers_on_error
 def _convert(model: nn.Module, **options) -> Tuple["pd.DataFrame", SwapLog]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

@@ -1,12 +1,16 @@
 """Model surgery: swap modules at every place a model holds them, all or nothing, with an
-undo that puts the originals back; forward and backward hooks follow the swap."""
+undo that puts the originals back; forward and backward hooks follow the swap; buffers the
+model's own forward changed during a failed conversion are put back too."""
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+import functools
+from typing import Callable, Dict, List, Tuple, TypeVar
 
+import torch
 import torch.nn as nn
 
 Replacement = Tuple[str, nn.Module]
+Function = TypeVar("Function", bound=Callable)
 # nn.Module's per-module hook registries (dicts keyed by handle id)
 _HOOK_REGISTRIES = (
     "_forward_pre_hooks",
@@ -67,3 +71,36 @@ def stored_numel(model: nn.Module) -> int:
     lazy modules, not materialized yet, count 0."""
     tensors = [*model.parameters(), *model.buffers()]
     return sum(t.numel() for t in tensors if not nn.parameter.is_lazy(t))
+
+
+def _restore_buffers(saved: List[Tuple[nn.Module, str, torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for module, name, tensor, copy in saved:
+            if tensor.is_inference():  # cannot be written outside inference mode: put the copy in
+                module._buffers[name] = copy
+                continue
+            module._buffers[name] = tensor  # the very tensor (a forward may have rebound the name)
+            tensor.copy_(copy)
+
+
+def restores_buffers_on_error(function: Function) -> Function:
+    """Decorate ``function(model, ...)`` so that, if it raises, every buffer ``model`` held
+    when it was called has its value and identity back (BatchNorm running statistics moved
+    by a forward that switches itself to training, a user's call counter, ...). Costs one copy
+    of the buffers (not of the parameters) for the duration of the call."""
+
+    @functools.wraps(function)
+    def wrapper(model, *args, **kwargs):
+        saved = [
+            (module, name, tensor, tensor.clone())
+            for module in (model.modules() if isinstance(model, nn.Module) else ())
+            for name, tensor in module._buffers.items()
+            if tensor is not None and not nn.parameter.is_lazy(tensor)
+        ]
+        try:
+            return function(model, *args, **kwargs)
+        except BaseException:
+            _restore_buffers(saved)
+            raise
+
+    return wrapper
