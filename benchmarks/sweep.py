@@ -12,10 +12,11 @@ the digits test accuracy of a small model trained with each configuration. Plots
 
 DIR defaults to ``benchmarks/out/<device>`` (ignored by git); committing results is a
 deliberate ``--output-dir benchmarks/results/<device>``. Every argument is checked before
-any file is touched. Rows are written to ``<csv>.partial`` as they are measured and
-replace the previous CSV when the sweep ends or is interrupted (Ctrl-C keeps the rows
-measured); the plots are then redrawn from that CSV, or removed when it has no sketched
-rows, so no plot of an older run is left beside it.
+any file is touched. Rows are written to a hidden staged CSV beside it as they are measured;
+when the sweep ends or is interrupted (Ctrl-C keeps the rows measured) the plots are drawn
+from those rows under staged names, and then the CSV and its plots replace the previous ones
+as one unit (:func:`panther_lite.benchmark.publish_sweep_results`): even a second Ctrl-C
+never leaves a plot of another run beside the CSV.
 
     python benchmarks/sweep.py                                  # CPU, 1024², batch 256, 4×4 grid
     python benchmarks/sweep.py --device cuda --dtype bfloat16 --in-features 8192 --out-features 8192 \\
@@ -31,7 +32,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from panther_lite.benchmark import Conv2dCase, LinearCase, replace_sweep_plots, run_sweep
+from panther_lite.benchmark import Conv2dCase, LinearCase, publish_sweep_results, run_sweep, staged_path
 from panther_lite.benchmark.cli import DTYPES, non_negative_float, non_negative_int, positive_int
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -76,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.output_dir = OUT / args.device
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda was asked for but CUDA is not available")
+    for path in output_paths(args):
+        if path.is_dir():
+            parser.error(f"{path} is a directory: the sweep writes a file there (expected a file path or none)")
     return args
 
 
@@ -96,11 +100,13 @@ def main(argv=None) -> int:
     csv_path, heatmap_path, tradeoff_path = output_paths(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    staged_csv = staged_path(csv_path)  # measured beside the CSV, then published with its plots
+    staged_csv.unlink(missing_ok=True)
     measured, interrupted = [], False
     try:
         run_sweep(
             case, args.num_terms, args.low_rank, device=args.device, dtype=DTYPES[args.dtype], warmup=args.warmup,
-            repeats=args.repeats, seed=args.seed, decay=args.decay, csv_path=csv_path, progress=not args.no_progress,
+            repeats=args.repeats, seed=args.seed, decay=args.decay, csv_path=staged_csv, progress=not args.no_progress,
             task_accuracy=args.task_accuracy, task_width=args.task_width, task_epochs=args.task_epochs,
             on_row=measured.append,
         )  # fmt: skip
@@ -109,15 +115,13 @@ def main(argv=None) -> int:
         if not measured:
             print(f"interrupted before the first row: {args.output_dir} was left as it was", file=sys.stderr)
             return 130
-        print(f"interrupted: the {len(measured)} rows measured so far replaced {csv_path}", file=sys.stderr)
-    df = pd.read_csv(csv_path)
+        print(f"interrupted: the {len(measured)} rows measured so far replace {csv_path}", file=sys.stderr)
+    df, lines = publish_sweep_results(staged_csv, csv_path, heatmap_path, tradeoff_path)
     columns = [c for c in SUMMARY_COLUMNS if df[c].notna().any()]
     with pd.option_context("display.width", 200, "display.max_columns", None, "display.precision", 4):
         print(df[columns].to_string(index=False))
-    print(f"wrote {csv_path}")
-    for line in replace_sweep_plots(df, heatmap_path, tradeoff_path):
-        print(line)
-    return 130 if interrupted else 0
+    print("\n".join(lines))
+    return 130 if interrupted or any(line.startswith("interrupted") for line in lines) else 0
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ from .bars import BAR_COLUMNS, bar_line, compare, plot_bars, save_bars
 from .cases import Conv2dCase, GemmShape, LayerCase, LinearCase
 from .environment import device_name, ignore_size_warnings
 from .memory import count_parameters, parameter_bytes, saved_activation_bytes, training_memory_bytes
-from .plots import new_figure, plot_heatmaps, plot_tradeoff, replace_sweep_plots, save_figure
+from .plots import (
+    new_figure, plot_heatmaps, plot_tradeoff, publish_sweep_results, replace_sweep_plots, save_figure, staged_path,
+)
 from .records import CsvRows
 from .roofline import DevicePeaks, measure_device_peaks, roofline_ms
 from .sweep import ERROR_COLUMNS, SWEEP_COLUMNS, run_sweep
@@ -94,6 +96,8 @@ __all__ = [
     "plot_heatmaps",
     "plot_tradeoff",
     "replace_sweep_plots",
+    "publish_sweep_results",
+    "staged_path",
     "new_figure",
     "save_figure",
 ]

@@ -1,11 +1,12 @@
 """Plots of measurements, drawn on pyplot-free matplotlib figures (matplotlib is imported
 only when a plot is made): the sweep's heatmaps and error-versus-time trade-off, and the
-figure helpers scripts draw their own plots with."""
+figure helpers scripts draw their own plots with; a sweep's CSV and plots published as one unit."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
-from typing import Union
+from typing import List, Tuple, Union
 
 import numpy as np
 import pandas as pd
@@ -143,3 +144,47 @@ def replace_sweep_plots(df: pd.DataFrame, heatmaps_path: Union[str, Path], trade
             path.unlink()
             lines.append(f"removed {path}: a previous run's plot, and this run has no sketched rows to plot")
     return lines
+
+
+def staged_path(path: Union[str, Path]) -> Path:
+    """Where ``path`` is prepared before it is published: a hidden sibling, same suffix."""
+    path = Path(path)
+    return path.with_name(f".{path.stem}.staged{path.suffix}")
+
+
+def publish_sweep_results(
+    staged_csv: Union[str, Path], csv_path: Union[str, Path], heatmaps_path: Union[str, Path], tradeoff_path: Union[str, Path]
+) -> Tuple[pd.DataFrame, List[str]]:
+    """Publish a sweep measured into ``staged_csv`` (see :func:`staged_path`) as ``csv_path``
+    with its plots, as one unit: the plots are drawn under staged names first, then the
+    previous run's plots are removed, the CSV is renamed over ``csv_path`` and the new plots
+    are renamed into place. Interrupted anywhere (a second Ctrl-C while drawing), the
+    directory holds the previous CSV (with its plots or none), or the new CSV with its plots
+    or none: never a plot of another run beside a CSV. A KeyboardInterrupt while drawing
+    publishes the CSV without plots. Returns the rows and one line per file published."""
+    csv_path, staged_csv = Path(csv_path), Path(staged_csv)
+    paths = [Path(heatmaps_path), Path(tradeoff_path)]
+    staged = [staged_path(path) for path in paths]
+    df, lines = pd.read_csv(staged_csv), []
+    try:
+        try:
+            if (df["method"] == "sketched").any():
+                for plot, path in zip((plot_heatmaps, plot_tradeoff), staged):
+                    plot(df, path)
+        except KeyboardInterrupt:
+            lines.append("interrupted while drawing the plots: the CSV is published without the missing ones")
+        existed = [path.exists() for path in paths]
+        for path in paths:
+            path.unlink(missing_ok=True)
+        os.replace(staged_csv, csv_path)
+        lines.append(f"wrote {csv_path}")
+        for draft, path, old in zip(staged, paths, existed):
+            if draft.exists():
+                os.replace(draft, path)
+                lines.append(f"{'replaced' if old else 'wrote'} {path}")
+            elif old:
+                lines.append(f"removed {path}: a previous run's plot, and this run drew none to replace it")
+    finally:
+        for draft in staged:
+            draft.unlink(missing_ok=True)
+    return df, lines

@@ -164,3 +164,44 @@ def test_bench_skconv2d_times_dense_sketched_and_anchor(tmp_path, capsys, load_s
     assert (forward["anchor_speedup"] > 0).all() and df[df["mode"] != "forward"]["anchor_ms"].isna().all()
     np.testing.assert_allclose(df["flop_ratio"], (4 * 9 * 4) / (2 * 4 * (4 * 9 + 4)))
     assert (tmp_path / "skconv2d_float32.png").stat().st_size > 1000
+
+
+def test_sweep_cli_refuses_a_csv_path_that_is_a_directory_before_running(tmp_path, load_script, capsys, monkeypatch):
+    sweep = load_script("benchmarks/sweep.py")
+    (tmp_path / "linear_float32.csv").mkdir()
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: pytest.fail("the sweep ran"))
+    with pytest.raises(SystemExit) as exit_:
+        sweep.main([*TINY, "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "linear_float32.csv" in err and "is a directory" in err
+
+
+@pytest.mark.parametrize("second_interrupt_at", [0, 1])
+def test_a_second_ctrl_c_while_plotting_never_leaves_another_runs_plots(tmp_path, monkeypatch, load_script, quick_plots,
+                                                                          second_interrupt_at):
+    """The rows are measured; then Ctrl-C while the plots are drawn: whatever was published, no
+    plot beside the CSV shows another run than the CSV's."""
+    from panther_lite.benchmark import plots
+
+    sweep = load_script("benchmarks/sweep.py")
+    csv_path = tmp_path / "linear_float32.csv"
+    plot_paths = [tmp_path / "linear_float32_heatmaps.png", tmp_path / "linear_float32_tradeoff.png"]
+    assert sweep.main([*TINY, "--output-dir", str(tmp_path)]) == 0
+    old_csv, old_plots = csv_path.read_bytes(), {p: p.read_bytes() for p in plot_paths}
+    draw = plots.plot_heatmaps
+    calls = []
+
+    def interrupted(df, path):
+        calls.append(path)
+        if len(calls) > second_interrupt_at:
+            raise KeyboardInterrupt
+        return draw(df, path)
+
+    monkeypatch.setattr(plots, "plot_heatmaps", interrupted)
+    monkeypatch.setattr(plots, "plot_tradeoff", interrupted)
+    interrupt_after(sweep, monkeypatch, rows=3)  # the first Ctrl-C: 3 rows measured
+    assert sweep.main([*TINY, "--output-dir", str(tmp_path)]) == 130
+    assert len(pd.read_csv(csv_path)) == 3 or csv_path.read_bytes() == old_csv
+    if csv_path.read_bytes() != old_csv:
+        assert not any(p.exists() and p.read_bytes() == old_plots[p] for p in plot_paths)
+    assert sorted(p.name for p in tmp_path.iterdir()) <= sorted([csv_path.name, *(p.name for p in plot_paths)])
