@@ -31,3 +31,21 @@ def test_import_loads_no_pandas_matplotlib_or_tqdm(statement, loaded_by_torch):
 def test_benchmark_package_loads_on_first_attribute_access():
     loaded = _modules_loaded_by("import panther_lite; panther_lite.benchmark.time_callable")
     assert "pandas" in loaded
+
+
+def test_matplotlib_is_an_extra_and_conversion_runs_without_it():
+    """pyproject lists matplotlib under [bench] only, and convert/tune/save work with it blocked."""
+    import pathlib
+    tomllib = pytest.importorskip("tomllib")
+
+    project = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert not any(dep.startswith("matplotlib") for dep in project["dependencies"])
+    assert any(dep.startswith("matplotlib") for dep in project["optional-dependencies"]["bench"])
+    probe = (
+        "import sys, tempfile, torch; sys.modules['matplotlib'] = None; import panther_lite; "
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)); x = torch.randn(32, 8); "
+        "panther_lite.tune(m, lambda m: 1.0, tolerance=0.5, calibration_data=[x], max_evaluations=2, progress=False); "
+        "panther_lite.save_pretrained(m, tempfile.mkdtemp())"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
