@@ -119,7 +119,8 @@ def conv_patches(conv: nn.Module, x: Tensor) -> Tensor:
 
 def checked_input(record: LayerRecord, module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
     """The layer's input; ValueError naming the layer when its feature (linear) or channel
-    (convolution) dimension does not fit the layer."""
+    (convolution) dimension does not fit the layer, or its dtype is not the weight's (outside
+    autocast, where the layer itself would fail)."""
     x = layer_input(args, kwargs)
     if record.kind in LINEAR_KINDS:
         dim, expected, what = -1, record.fan_in, "last dimension (features)"
@@ -129,6 +130,13 @@ def checked_input(record: LayerRecord, module: nn.Module, args: tuple, kwargs: d
         raise ValueError(
             f"calibration: layer {record.name!r} expects inputs with {what} {expected}, got a batch "
             f"whose input to it has shape {tuple(x.shape)}; check that calibration_data matches the model"
+        )
+    weight_dtype = module.weight.dtype
+    autocast = x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type)
+    if x.dtype != weight_dtype and not autocast:
+        raise ValueError(
+            f"calibration: layer {record.name!r} has {weight_dtype} weights, got a batch whose input to it is "
+            f"{x.dtype}; convert the batches to the model's dtype (or run them under torch.autocast)"
         )
     return x
 

@@ -4,6 +4,7 @@ and rebuilding that layout in a fresh copy of the dense model so a converted
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from typing import List, Mapping, Tuple
 
@@ -64,7 +65,11 @@ def conversion_config(model: nn.Module) -> dict:
 
 
 def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    """An integer >= 1 (Python or NumPy; not a bool)."""
+    try:
+        return not isinstance(value, bool) and operator.index(value) >= 1
+    except TypeError:
+        return False
 
 
 def _check_entry(index: int, entry) -> LayerKind:

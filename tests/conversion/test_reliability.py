@@ -270,3 +270,20 @@ def test_normalised_weights_are_skipped_with_a_reason(wrap):
 def test_public_api_still_exports_these_names():
     for name in ("tune", "save_pretrained", "from_pretrained", "apply_conversion_config", "convert"):
         assert hasattr(panther_lite, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.long])
+def test_a_calibration_batch_of_another_dtype_names_the_layer(dtype):
+    model = mlp()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=rf"layer '0' has torch.float32 weights.*{dtype}"):
+        convert(model, num_terms=1, low_rank=4, calibration_data=[torch.ones(4, 32, dtype=dtype)], progress=False)
+    assert_unchanged(model, before)
+
+
+def test_a_config_may_hold_numpy_integers():
+    converted = mlp()
+    convert(converted, num_terms=1, low_rank=4, progress=False)
+    config = tampered_config(converted, low_rank=np.int64(4), num_terms=np.int32(1))
+    model = apply_conversion_config(mlp(), config)
+    assert isinstance(model[0], SKLinear) and type(model[0].low_rank) is int and model[0].low_rank == 4
