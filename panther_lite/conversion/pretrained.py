@@ -195,11 +195,11 @@ def save_pretrained(model: nn.Module, directory: PathLike) -> None:
         (staging / PRETRAINED_CONFIG_NAME).write_text(json.dumps(record, indent=2) + "\n")
         _move_into(staging, directory)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        if created:
+        if created:  # nothing of this call is left behind
             shutil.rmtree(directory, ignore_errors=True)
         raise
-    shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _read_record(directory: PathLike) -> Tuple[Path, dict]:
