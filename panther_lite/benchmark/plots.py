@@ -153,7 +153,10 @@ def staged_path(path: Union[str, Path]) -> Path:
 
 
 def publish_sweep_results(
-    staged_csv: Union[str, Path], csv_path: Union[str, Path], heatmaps_path: Union[str, Path], tradeoff_path: Union[str, Path]
+    staged_csv: Union[str, Path],
+    csv_path: Union[str, Path],
+    heatmaps_path: Union[str, Path],
+    tradeoff_path: Union[str, Path],
 ) -> Tuple[pd.DataFrame, List[str]]:
     """Publish a sweep measured into ``staged_csv`` (see :func:`staged_path`) as ``csv_path``
     with its plots, as one unit: the plots are drawn under staged names first, then the

@@ -71,7 +71,9 @@ def run_batch(model: nn.Module, batch, index: Optional[int] = None) -> object:
     ``index`` (the batch's position, when known) goes into the error for any other batch."""
     if batch is None:
         where = "" if index is None else f" {index}"
-        raise TypeError(f"calibration batch{where} is None; calibration_data must hold only batches (Tensor, tuple or dict)")
+        raise TypeError(
+            f"calibration batch{where} is None; calibration_data must hold only batches (Tensor, tuple or dict)"
+        )
     if isinstance(batch, Tensor):
         return model(batch)
     if isinstance(batch, (tuple, list)):

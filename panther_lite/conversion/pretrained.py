@@ -287,7 +287,8 @@ def _load_weights_file(path: Path) -> Dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
-        raise ValueError(f"{str(path)!r} is not a readable safetensors file (truncated or corrupt?): {error}") from error
+        message = f"{str(path)!r} is not a readable safetensors file (truncated or corrupt?): {error}"
+        raise ValueError(message) from error
 
 
 def _read_weights(directory: Path) -> Dict[str, torch.Tensor]:

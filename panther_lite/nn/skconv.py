@@ -145,7 +145,8 @@ class _SKConvNd(SketchedLayer):
         self._reversed_padding_repeated_twice = _reversed_padding(self.padding, self.kernel_size, self.dilation)
         if layer is not None:
             self._check_layer(layer, bias)
-        check_sketch_fits_a_tensor(self.num_terms, self.low_rank, in_channels * math.prod(self.kernel_size), out_channels)
+        fan_in = in_channels * math.prod(self.kernel_size)
+        check_sketch_fits_a_tensor(self.num_terms, self.low_rank, fan_in, out_channels)
         rank = 2 * self.num_terms * self.low_rank
         self.S = nn.Parameter(torch.empty(rank, in_channels, *self.kernel_size, **factory_kwargs))
         self.register_buffer("U", torch.empty(rank, out_channels, **factory_kwargs))

@@ -200,10 +200,11 @@ def check_sketch_rank(num_terms: int, low_rank: int, fan_in: int, fan_out: int, 
     ``2·L·k`` above :data:`MAX_RANK_OVER_SIDE` times it. Used on sizes read from files, so a
     tampered config fails before any memory is allocated."""
     side = max(fan_in, fan_out)
+    shape = f"the layer's larger side {side} ({fan_in} -> {fan_out})"
     if low_rank > side:
-        raise ValueError(f"{_where(layer)}low_rank={low_rank} exceeds the layer's larger side {side} ({fan_in} -> {fan_out})")
+        raise ValueError(f"{_where(layer)}low_rank={low_rank} exceeds {shape}")
     if 2 * num_terms * low_rank > MAX_RANK_OVER_SIDE * side:
         raise ValueError(
             f"{_where(layer)}num_terms={num_terms} with low_rank={low_rank} gives a total rank 2*num_terms*low_rank = "
-            f"{2 * num_terms * low_rank:,}, over {MAX_RANK_OVER_SIDE}x the layer's larger side {side} ({fan_in} -> {fan_out})"
+            f"{2 * num_terms * low_rank:,}, over {MAX_RANK_OVER_SIDE}x {shape}"
         )
