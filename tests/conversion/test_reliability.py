@@ -75,7 +75,7 @@ def test_tune_accepts_numpy_and_0d_tensor_scores(wrap):
         reference = model(x)
     score = closeness(x, reference)
     report = tune(model, lambda m: wrap(round(score(m), 3) if wrap is np.int64 else score(m)), tolerance=0.2,
-                  calibration_data=[x], max_evaluations=3, progress=False)  # fmt: skip
+                  calibration_data=[x], max_evaluations=2, progress=False)  # fmt: skip
     assert report.attrs["search"]["score"].dtype == float
 
 
