@@ -19,6 +19,7 @@ from typing import Dict, List, Tuple
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 
 from ..nn import SKConv1d, SKConv2d, SKConv3d, SKLinear
 from ..nn.factor_cache import concatenate_factors
@@ -54,6 +55,15 @@ class FrozenLinear(nn.Sequential):
         self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
         self.num_terms, self.low_rank, self.dense = num_terms, low_rank, dense
 
+    @property
+    def weight(self) -> Tensor:
+        """The effective dense weight, read-only and computed on each read, in the dense layer's
+        layout (``(out_features, in_features)``; a GPT-2 ``Conv1D``'s ``(in, out)``), for code
+        that reads a dense layer's weight (transformers' weight init, T5's dtype checks).
+        Only while both layers hold float weights (not after a quantizer replaced them)."""
+        weight = self[1].weight @ self[0].weight
+        return weight.t() if self.dense == "Conv1D" else weight
+
     def extra_repr(self) -> str:
         return f"num_terms={self.num_terms}, low_rank={self.low_rank}"
 
@@ -79,6 +89,13 @@ class _FrozenConvNd(nn.Sequential):
         )
         self.in_channels, self.out_channels, self.has_bias = options["in_channels"], options["out_channels"], options["bias"]
         self.kernel_size, self.num_terms, self.low_rank = self[0].kernel_size, num_terms, low_rank
+
+    @property
+    def weight(self) -> Tensor:
+        """The effective dense kernel ``(out_channels, in_channels, *kernel_size)``, read-only
+        (see :attr:`FrozenLinear.weight`)."""
+        first = self[0].weight
+        return (self[1].weight.flatten(1) @ first.flatten(1)).view(self.out_channels, *first.shape[1:])
 
     def extra_repr(self) -> str:
         return f"num_terms={self.num_terms}, low_rank={self.low_rank}"

@@ -57,6 +57,7 @@ def test_frozen_convolutions_and_linear_compute_the_same_function():
     inputs = conv_inputs()
     with torch.no_grad():
         expected = model(*inputs)
+        kernels = [getattr(model, name).effective_weight() for name in ("c1", "c2", "c3")]
     stored = stored_numel(model)
     assert freeze(model) is model
     assert [type(model.c1), type(model.c2), type(model.c3), type(model.head)] == [
@@ -64,6 +65,9 @@ def test_frozen_convolutions_and_linear_compute_the_same_function():
     with torch.no_grad():
         torch.testing.assert_close(model(*inputs), expected, rtol=1e-12, atol=1e-12)
     assert stored_numel(model) == stored  # the sketches folded in: no more, no fewer values
+    with torch.no_grad():  # the read-only weight code written for dense layers reads
+        for name, kernel in zip(("c1", "c2", "c3"), kernels):
+            torch.testing.assert_close(getattr(model, name).weight, kernel, rtol=1e-12, atol=1e-12)
     assert model.c2[0].padding_mode == "reflect" and model.c2[0].dilation == (2, 2) and model.c3[1].bias is None
     assert not any(isinstance(m, (SKLinear, SKConv1d, SKConv2d, SKConv3d)) for m in model.modules())
 
@@ -82,6 +86,7 @@ def test_frozen_linear_is_two_linear_layers_of_width_2Lk():
         torch.testing.assert_close(frozen(x), expected, rtol=1e-12, atol=1e-12)
         # the reference: the effective weight applied by F.linear
         torch.testing.assert_close(frozen(x), F.linear(x, layer.effective_weight(), layer.bias), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(frozen.weight, layer.effective_weight(), rtol=1e-12, atol=1e-12)
 
 
 def test_freeze_keeps_shared_layers_shared_and_training_state():
