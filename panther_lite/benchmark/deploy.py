@@ -1,0 +1,123 @@
+"""Deployment measurements: a model's deployable forms (dense fp32, converted, frozen + int8)
+in PyTorch and in onnxruntime — their size on disk, their outputs and callables to time.
+
+The int8 forms use each runtime's own dynamic quantizer: ``torch.ao.quantization.quantize_dynamic``
+on the frozen model in PyTorch, ``onnxruntime.quantization.quantize_dynamic`` on the frozen
+model's ONNX graph in onnxruntime (PyTorch's quantized modules do not export to ONNX).
+onnx and onnxruntime are imported only by the functions that need them.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ..conversion import convert, freeze
+
+__all__ = [
+    "DEPLOY_FORMS",
+    "deployable_forms",
+    "export_onnx",
+    "quantize_onnx_int8",
+    "onnx_runner",
+    "saved_size_bytes",
+]
+
+DEPLOY_FORMS = ("dense fp32", "dense int8", "converted", "frozen", "frozen + int8")
+PathLike = Union[str, Path]
+
+
+def _quantize_dynamic_int8(model: nn.Module) -> nn.Module:
+    """``quantize_dynamic`` of every ``nn.Linear`` with per-output-channel int8 weights (a
+    per-tensor scale loses more on the frozen pairs, whose rows differ in scale)."""
+    qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch.ao's deprecation notes
+        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear: qconfig}, dtype=torch.qint8)
+
+
+def deployable_forms(dense: nn.Module, **convert_kwargs) -> Dict[str, nn.Module]:
+    """The forms of ``dense`` (left unchanged) named in :data:`DEPLOY_FORMS`, each in eval mode:
+    the dense model and its int8 ``quantize_dynamic``, a copy converted with
+    ``panther_lite.convert(**convert_kwargs)``, that copy frozen, and frozen + int8."""
+    dense = dense.eval()
+    converted = copy.deepcopy(dense)
+    convert(converted, **convert_kwargs)
+    frozen = freeze(copy.deepcopy(converted)).eval()
+    return {
+        "dense fp32": dense,
+        "dense int8": _quantize_dynamic_int8(copy.deepcopy(dense)),
+        "converted": converted.eval(),
+        "frozen": frozen,
+        "frozen + int8": _quantize_dynamic_int8(copy.deepcopy(frozen)),
+    }
+
+
+def saved_size_bytes(model: nn.Module, path: PathLike) -> int:
+    """Bytes of ``torch.save(model.state_dict(), path)`` (quantized modules' packed weights
+    included; a sketched layer's fixed U sketches too)."""
+    path = Path(path)
+    torch.save(model.state_dict(), path)
+    return path.stat().st_size
+
+
+def export_onnx(
+    model: nn.Module,
+    example_inputs: Tuple[Tensor, ...],
+    path: PathLike,
+    input_names: Sequence[str],
+    dynamic_axes: Mapping[str, Mapping[int, str]],
+    *,
+    dynamo: bool = False,
+) -> Path:
+    """``torch.onnx.export`` of ``model`` with the named dynamic axes of each input (the
+    TorchScript-based exporter, or the dynamo one with ``dynamo=True``); returns ``path``.
+    Exporter notes (deprecations, progress) are silenced."""
+    path = Path(path)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            shapes = {name: {axis: torch.export.Dim.DYNAMIC for axis in dynamic_axes.get(name, {})}
+                      for name in input_names}
+            torch.onnx.export(model, tuple(example_inputs), str(path), dynamo=True, input_names=list(input_names),
+                              dynamic_shapes=tuple(shapes.values()))
+        else:
+            torch.onnx.export(model, tuple(example_inputs), str(path), dynamo=False, input_names=list(input_names),
+                              dynamic_axes={name: dict(axes) for name, axes in dynamic_axes.items()})
+    return path
+
+
+def quantize_onnx_int8(source: PathLike, target: PathLike) -> Path:
+    """onnxruntime's dynamic int8 quantization of the ONNX graph at ``source`` (its ``MatMul``
+    and ``Gemm`` weights, per output channel; activations quantized per call), written to
+    ``target``."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8, per_channel=True)
+    return Path(target)
+
+
+def onnx_runner(path: PathLike, *, threads: Optional[int] = None) -> Callable[..., Tensor]:
+    """``run(*inputs) -> Tensor``: the graph's first output for tensor inputs given in the
+    graph's input order, on onnxruntime's CPU provider (``threads``: its intra-op threads;
+    default: onnxruntime's). Its threads do not spin between calls: spinning would take the
+    cores from whatever runs next (PyTorch, in an interleaved comparison)."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    names = [item.name for item in session.get_inputs()]
+
+    def run(*inputs: Tensor) -> Tensor:
+        feed = {name: tensor.detach().cpu().numpy() for name, tensor in zip(names, inputs)}
+        return torch.from_numpy(session.run(None, feed)[0])
+
+    return run
