@@ -1,7 +1,8 @@
 """Deploying compressed models: size on disk, CPU latency and quality of each form of a model
 in PyTorch and in onnxruntime (``deploy.csv`` and ``deploy.png`` in ``--output-dir``).
 
-Forms (:func:`panther_lite.benchmark.deploy.deployable_forms`): dense fp32, dense int8
+Forms (:func:`panther_lite.benchmark.deploy.deployable_forms`, measured by
+:func:`~panther_lite.benchmark.deploy.deploy_rows`): dense fp32, dense int8
 (``quantize_dynamic``), converted (sketched layers), frozen (``panther_lite.freeze``), frozen
 + int8. In onnxruntime the int8 forms are onnxruntime's own dynamic quantization of the fp32
 graph (PyTorch's quantized modules do not export). Sizes are ``torch.save`` of the
@@ -29,30 +30,24 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, List, Tuple
 
 import pandas as pd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from panther_lite.benchmark import CsvRows, device_name, new_figure, save_figure, time_interleaved
+from panther_lite.benchmark import CsvRows, device_name
 from panther_lite.benchmark.cli import positive_int
-from panther_lite.benchmark.deploy import (
-    DEPLOY_FORMS, deployable_forms, export_onnx, onnx_runner, quantize_onnx_int8, saved_size_bytes,
-)
+from panther_lite.benchmark.deploy import DEPLOY_COLUMNS, deploy_rows, deployable_forms, plot_deploy
 from panther_lite.benchmark.tasks import accuracy, load_digits_split, mlp_classifier, train_classifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_compression import _load_minilm, _sentences  # noqa: E402  (the MiniLM loader and sentences)
 
 PARTS = ("digits", "minilm")
-COLUMNS = ["machine", "threads", "model", "form", "runtime", "size_mb", "latency_ms", "latency_iqr_ms", "metric",
-           "quality"]
-# the fp32 graph each onnxruntime int8 form quantizes
-_ONNX_INT8_SOURCE = {"dense int8": "dense fp32", "frozen + int8": "frozen"}
+COLUMNS = ["machine", "threads", "model", "metric", *DEPLOY_COLUMNS]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -133,61 +128,9 @@ def minilm_task(quick: bool) -> Task:
                 dynamic, "embedding cosine", quality)
 
 
-def _runners(task: Task, workdir: Path) -> Dict[Tuple[str, str], Tuple[Callable, float]]:
-    """``(form, runtime) -> (run, size in MB)`` for every form in PyTorch and onnxruntime."""
-    runners = {}
-    graphs: Dict[str, Path] = {}
-    for form in DEPLOY_FORMS:
-        module = task.forms[form]
-        size = saved_size_bytes(module, workdir / f"{form}.pt") / 1e6
-        runners[(form, "pytorch")] = (torch.inference_mode()(module), size)
-        if form in _ONNX_INT8_SOURCE:
-            graph = quantize_onnx_int8(graphs[_ONNX_INT8_SOURCE[form]], workdir / f"{form}.onnx")
-        else:
-            graph = export_onnx(module, task.inputs, workdir / f"{form}.onnx", task.input_names, task.dynamic_axes)
-        graphs[form] = graph
-        runners[(form, "onnxruntime")] = (onnx_runner(graph, threads=torch.get_num_threads()), graph.stat().st_size / 1e6)
-    return runners
-
-
 def task_rows(task: Task, repeats: int) -> List[dict]:
-    with tempfile.TemporaryDirectory() as workdir:
-        runners = _runners(task, Path(workdir))
-        calls = {key: (lambda run=run: run(*task.inputs)) for key, (run, _) in runners.items()}
-        samples = time_interleaved({f"{form} / {runtime}": call for (form, runtime), call in calls.items()},
-                                   warmup=3, repeats=repeats)
-        rows = []
-        for (form, runtime), (run, size) in runners.items():
-            times = pd.Series(samples[f"{form} / {runtime}"])
-            rows.append(dict(
-                model=task.name, form=form, runtime=runtime, size_mb=size, latency_ms=times.median(),
-                latency_iqr_ms=times.quantile(0.75) - times.quantile(0.25), metric=task.metric,
-                quality=task.quality(run),
-            ))
-    return rows
-
-
-def plot(df: pd.DataFrame, path: Path) -> None:
-    models = list(dict.fromkeys(df["model"]))
-    fig = new_figure(figsize=(15, 3.6 * len(models)))
-    axes = fig.subplots(len(models), 3, squeeze=False)
-    for row, model in zip(axes, models):
-        part = df[df["model"] == model]
-        for ax, column, label in zip(row, ("size_mb", "latency_ms", "quality"),
-                                     ("size on disk (MB)", "CPU latency per call (ms)", part["metric"].iloc[0])):
-            table = part.pivot(index="form", columns="runtime", values=column).reindex(list(DEPLOY_FORMS))
-            table.plot.barh(ax=ax, color={"pytorch": "tab:orange", "onnxruntime": "tab:blue"})
-            ax.set_xlabel(label)
-            ax.set_ylabel("")
-            ax.set_title(model, fontsize=9)
-            if column == "quality":
-                ax.set_xlim(max(0.0, part["quality"].min() - 0.05), 1.0)
-                ax.legend(fontsize=7, loc="lower left")
-            else:
-                ax.legend(fontsize=7)
-    fig.suptitle(f"deployable forms — {df['machine'].iloc[0]}, {df['threads'].iloc[0]} threads, "
-                 "machine shared and loaded by other work", fontsize=9)
-    save_figure(fig, path)
+    rows = deploy_rows(task.forms, task.inputs, task.input_names, task.dynamic_axes, task.quality, repeats=repeats)
+    return [dict(model=task.name, metric=task.metric, **row) for row in rows]
 
 
 def main(argv=None) -> pd.DataFrame:
@@ -202,7 +145,9 @@ def main(argv=None) -> pd.DataFrame:
                 csv.write({**machine, **row})
                 print(row, flush=True)
     df = pd.read_csv(args.output_dir / "deploy.csv")
-    plot(df, args.output_dir / "deploy.png")
+    title = (f"deployable forms — {df['machine'].iloc[0]}, {args.threads} thread(s), machine shared and loaded "
+             "by other work")
+    plot_deploy(df, args.output_dir / "deploy.png", title=title)
     print(df.drop(columns=["machine", "threads"]).to_string(index=False))
     return df
 

@@ -9,19 +9,28 @@ onnx and onnxruntime are imported only by the functions that need them.
 from __future__ import annotations
 
 import copy
+import tempfile
 import warnings
 from pathlib import Path
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
 from ..conversion import convert, freeze
+from .plots import new_figure, save_figure
+from .timing import Spread, time_interleaved
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
     "DEPLOY_FORMS",
+    "DEPLOY_COLUMNS",
     "deployable_forms",
+    "deploy_rows",
+    "plot_deploy",
     "export_onnx",
     "quantize_onnx_int8",
     "onnx_runner",
@@ -29,6 +38,9 @@ __all__ = [
 ]
 
 DEPLOY_FORMS = ("dense fp32", "dense int8", "converted", "frozen", "frozen + int8")
+DEPLOY_COLUMNS = ("form", "runtime", "size_mb", "latency_ms", "latency_iqr_ms", "quality")
+# the fp32 graph each onnxruntime int8 form quantizes (PyTorch's quantized modules do not export)
+_ONNX_INT8_SOURCE = {"dense int8": "dense fp32", "frozen + int8": "frozen"}
 PathLike = Union[str, Path]
 
 
@@ -121,3 +133,74 @@ def onnx_runner(path: PathLike, *, threads: Optional[int] = None) -> Callable[..
         return torch.from_numpy(session.run(None, feed)[0])
 
     return run
+
+
+def _runners(
+    forms: Mapping[str, nn.Module], inputs: Tuple[Tensor, ...], input_names: Sequence[str],
+    dynamic_axes: Mapping[str, Mapping[int, str]], workdir: Path,
+) -> Dict[Tuple[str, str], Tuple[Callable[..., Tensor], float]]:
+    """``(form, runtime) -> (run, size in MB)`` for every form in PyTorch and onnxruntime."""
+    runners = {}
+    graphs: Dict[str, Path] = {}
+    for form in DEPLOY_FORMS:
+        module = forms[form]
+        size = saved_size_bytes(module, workdir / f"{form}.pt") / 1e6
+        runners[(form, "pytorch")] = (torch.inference_mode()(module), size)
+        if form in _ONNX_INT8_SOURCE:
+            graph = quantize_onnx_int8(graphs[_ONNX_INT8_SOURCE[form]], workdir / f"{form}.onnx")
+        else:
+            graph = export_onnx(module, inputs, workdir / f"{form}.onnx", input_names, dynamic_axes)
+        graphs[form] = graph
+        run = onnx_runner(graph, threads=torch.get_num_threads())
+        runners[(form, "onnxruntime")] = (run, graph.stat().st_size / 1e6)
+    return runners
+
+
+def deploy_rows(
+    forms: Mapping[str, nn.Module],
+    inputs: Tuple[Tensor, ...],
+    input_names: Sequence[str],
+    dynamic_axes: Mapping[str, Mapping[int, str]],
+    quality: Callable[[Callable[..., Tensor]], float],
+    *,
+    repeats: int = 20,
+) -> List[dict]:
+    """One row (:data:`DEPLOY_COLUMNS`) per form of :func:`deployable_forms` and runtime
+    (``"pytorch"``, ``"onnxruntime"``): size on disk (MB), median latency of ``run(*inputs)``
+    and its interquartile range (ms; calls interleaved across all forms and runtimes, torch
+    and onnxruntime on ``torch.get_num_threads()`` threads), and ``quality(run)``, for
+    ``run(*inputs) -> output`` of that form (e.g. test accuracy, cosine to the dense output).
+    ONNX graphs are exported with ``input_names`` and ``dynamic_axes`` in a temporary folder."""
+    with tempfile.TemporaryDirectory() as workdir:
+        runners = _runners(forms, tuple(inputs), input_names, dynamic_axes, Path(workdir))
+        calls = {f"{form} / {runtime}": (lambda run=run: run(*inputs)) for (form, runtime), (run, _) in runners.items()}
+        samples = time_interleaved(calls, repeats=repeats)
+        rows = []
+        for (form, runtime), (run, size) in runners.items():
+            spread = Spread.of(samples[f"{form} / {runtime}"])
+            rows.append(dict(form=form, runtime=runtime, size_mb=size, latency_ms=spread.median,
+                             latency_iqr_ms=spread.iqr, quality=quality(run)))
+    return rows
+
+
+def plot_deploy(df: "pd.DataFrame", path: PathLike, *, quality_label: str = "quality", title: str = "") -> Path:
+    """Size, latency and quality of each form (rows of :func:`deploy_rows`, one panel row per
+    distinct ``model`` column when there is one) as horizontal bars per runtime; saves a PNG."""
+    groups = list(df.groupby("model", sort=False)) if "model" in df else [(title, df)]
+    fig = new_figure(figsize=(15, 3.4 * len(groups)))
+    axes = fig.subplots(len(groups), 3, squeeze=False)
+    for row, (name, part) in zip(axes, groups):
+        label = part["metric"].iloc[0] if "metric" in part else quality_label
+        for ax, column, xlabel in zip(row, ("size_mb", "latency_ms", "quality"),
+                                      ("size on disk (MB)", "CPU latency per call (ms)", label)):
+            table = part.pivot(index="form", columns="runtime", values=column).reindex(list(DEPLOY_FORMS)[::-1])
+            table.plot.barh(ax=ax, color={"pytorch": "tab:orange", "onnxruntime": "tab:blue"}, legend=False)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("")
+            ax.set_title(name, fontsize=9)
+            if column == "quality":
+                ax.set_xlim(max(0.0, part["quality"].min() - 0.05), 1.0)
+        row[0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return save_figure(fig, path)

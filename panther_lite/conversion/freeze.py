@@ -10,6 +10,9 @@ standard layers computing the same function, so every tool that knows ``nn.Linea
   convolution to ``2Lk`` channels (its stride, padding, dilation and padding mode) holding
   ``S``, then a 1×…×1 convolution holding ``Uᵀ/(2L)`` and the bias.
 
+Each intermediate channel's scale is balanced between the two layers (equal norms, the
+function unchanged), so per-channel int8 quantization of either layer loses little.
+
 One-way: the fixed sketches are folded into the second layer, so a frozen layer cannot be
 turned back into a sketched one; keep training on the unfrozen model.
 """
@@ -126,6 +129,21 @@ FROZEN_TYPES = (FrozenLinear, FrozenConv1d, FrozenConv2d, FrozenConv3d)
 _FROZEN_CONV = {SKConv1d: FrozenConv1d, SKConv2d: FrozenConv2d, SKConv3d: FrozenConv3d}
 
 
+def _balanced(first: Tensor, second: Tensor) -> Tuple[Tensor, Tensor]:
+    """The pair's weights with intermediate channel ``j`` rescaled — row ``j`` of ``first``
+    ``(2Lk, ...)`` by ``d_j``, column ``j`` of ``second`` ``(out, 2Lk, ...)`` by ``1/d_j`` — so
+    that both hold the same norm. The function is unchanged, but no channel is tiny in one
+    layer and large in the other: the sketched factors are far from balanced (an orthonormal
+    ``U2`` beside an ``S2`` holding the singular values), which per-channel int8 weights
+    represent badly."""
+    first_norms = first.flatten(1).norm(dim=1)
+    second_norms = second.transpose(0, 1).flatten(1).norm(dim=1)
+    usable = (first_norms > 0) & (second_norms > 0)
+    scale = torch.where(usable, (second_norms / first_norms.where(usable, 1)).sqrt(), 1)
+    first = first * scale.view(-1, *(1,) * (first.dim() - 1))
+    return first, second / scale.view(1, -1, *(1,) * (second.dim() - 2))
+
+
 def _frozen_linear(layer: SKLinear) -> FrozenLinear:
     dtype, device = layer.S1.dtype, layer.S1.device
     dense = "Conv1D" if isinstance(layer, SKLinearConv1D) else "Linear"
@@ -134,9 +152,10 @@ def _frozen_linear(layer: SKLinear) -> FrozenLinear:
         layer.bias is not None, dtype=dtype, device=device, dense=dense,
     )
     left, right = concatenate_factors(layer.S1, layer.U1.to(dtype), layer.U2.to(dtype), layer.S2, layer.scale)
+    first, second = _balanced(left.t(), right.t())
     with torch.no_grad():
-        frozen[0].weight.copy_(left.t())
-        frozen[1].weight.copy_(right.t())
+        frozen[0].weight.copy_(first)
+        frozen[1].weight.copy_(second)
     return frozen
 
 
@@ -146,8 +165,9 @@ def _frozen_conv(layer: nn.Module) -> _FrozenConvNd:
         frozen_class, layer._dense_options(), layer.num_terms, layer.low_rank, dtype=layer.S.dtype, device=layer.S.device
     )
     with torch.no_grad():
-        frozen[0].weight.copy_(layer.S)
-        frozen[1].weight.copy_(layer._mix_matrix().view_as(frozen[1].weight))
+        first, second = _balanced(layer.S, layer._mix_matrix().view_as(frozen[1].weight))
+        frozen[0].weight.copy_(first)
+        frozen[1].weight.copy_(second)
     return frozen
 
 
