@@ -145,8 +145,7 @@ def main(argv=None) -> pd.DataFrame:
                 csv.write({**machine, **row})
                 print(row, flush=True)
     df = pd.read_csv(args.output_dir / "deploy.csv")
-    title = (f"deployable forms — {df['machine'].iloc[0]}, {args.threads} thread(s), machine shared and loaded "
-             "by other work")
+    title = f"deployable forms — {df['machine'].iloc[0]}, machine shared and loaded by other work"
     plot_deploy(df, args.output_dir / "deploy.png", title=title)
     print(df.drop(columns=["machine", "threads"]).to_string(index=False))
     return df

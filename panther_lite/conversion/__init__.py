@@ -8,10 +8,10 @@ and reports (``report``); :func:`densify` undoes it; :func:`conversion_config` /
 ``state_dict`` loads into a fresh copy of the dense model; :func:`save_pretrained` /
 :func:`from_pretrained` (``pretrained``) save and rebuild a converted model with its config;
 and :func:`tune` (``tuning``) finds the smallest budget within a tolerance of the dense score;
-:func:`freeze` (``freeze``) turns sketched layers into standard ones for deployment.
+:func:`freeze` (``freezing``) turns sketched layers into standard ones for deployment.
 """
 from .api import convert, densify
-from .freeze import FrozenConv1d, FrozenConv2d, FrozenConv3d, FrozenLinear, freeze
+from .freezing import FrozenConv1d, FrozenConv2d, FrozenConv3d, FrozenLinear, freeze
 from .pretrained import from_pretrained, save_pretrained
 from .report import conversion_summary
 from .serialization import apply_conversion_config, conversion_config

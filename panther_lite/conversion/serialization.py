@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from ..nn import SKLinear
 from .fitting import match_trainability
-from .freeze import FROZEN_TYPES, FrozenLinear, frozen_twin
+from .freezing import FROZEN_TYPES, FrozenLinear, frozen_twin
 from .kinds import HF_CONV1D, KIND_BY_NAME, KINDS, SKETCHED_TYPES, LayerKind, dense_kind_of
 from .surgery import swap_modules
 
@@ -153,8 +153,8 @@ def apply_conversion_config(model: nn.Module, config: Mapping) -> nn.Module:
     into ``model`` (a fresh instance of the original architecture). No fitting happens:
     the new layers hold placeholder values (a sketch of the fresh weights) until the
     state_dict is loaded; entries with ``"frozen": true`` get the frozen pair of standard
-    layers (:func:`~panther_lite.freeze`); a layer on the meta device gets a sketched layer on the meta
-    device, to materialise with ``load_state_dict(..., assign=True)``.
+    layers (:func:`~panther_lite.freeze`); a layer on the meta device gets a layer on the
+    meta device, to materialise with ``load_state_dict(..., assign=True)``.
 
     The whole config is validated against the model first (ValueError naming the bad
     entry and field: no ``layers``, a field missing or of the wrong type, an unknown kind,
