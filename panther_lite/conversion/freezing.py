@@ -136,10 +136,10 @@ def _balanced(first: Tensor, second: Tensor) -> Tuple[Tensor, Tensor]:
     layer and large in the other: the sketched factors are far from balanced (an orthonormal
     ``U2`` beside an ``S2`` holding the singular values), which per-channel int8 weights
     represent badly."""
-    first_norms = first.flatten(1).norm(dim=1)
-    second_norms = second.transpose(0, 1).flatten(1).norm(dim=1)
+    first_norms = first.flatten(1).float().norm(dim=1)  # float32: a float16 sum of squares overflows
+    second_norms = second.transpose(0, 1).flatten(1).float().norm(dim=1)
     usable = (first_norms > 0) & (second_norms > 0)
-    scale = torch.where(usable, (second_norms / first_norms.where(usable, 1)).sqrt(), 1)
+    scale = torch.where(usable, (second_norms / first_norms.where(usable, 1)).sqrt(), 1).to(first.dtype)
     first = first * scale.view(-1, *(1,) * (first.dim() - 1))
     return first, second / scale.view(1, -1, *(1,) * (second.dim() - 2))
 
@@ -206,7 +206,10 @@ def freeze(model: nn.Module) -> nn.Module:
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     layers = _sketched_layers(model)
     if any(fqn == "" for fqn, _ in layers):
-        raise ValueError("the root module is a sketched layer: freeze it with panther_lite.conversion.frozen_twin")
+        raise ValueError(
+            "the root module is a sketched layer: freeze() replaces layers inside a model; "
+            "use panther_lite.conversion.freezing.frozen_twin(layer) for a lone layer"
+        )
     warn_if_quantized_beside(model, [fqn for fqn, _ in layers], "freeze")
     # named_modules lists a shared layer once; swap_modules replaces it at every alias
     swap_modules(model, [(fqn, frozen_twin(layer)) for fqn, layer in layers])

@@ -89,6 +89,18 @@ def test_frozen_linear_is_two_linear_layers_of_width_2Lk():
         torch.testing.assert_close(frozen.weight, layer.effective_weight(), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_frozen_linear_matches_at_each_dtype(dtype):
+    layer = SKLinear(48, 24, num_terms=2, low_rank=2, seed=0, init="svd", dtype=dtype)
+    x = torch.randn(6, 48, dtype=dtype)
+    with torch.no_grad():
+        expected = layer(x)
+        frozen = freeze(nn.Sequential(layer))[0]
+        assert frozen[0].weight.dtype == dtype
+        tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+        torch.testing.assert_close(frozen(x), expected, rtol=tolerance, atol=tolerance)
+
+
 def test_freeze_keeps_shared_layers_shared_and_training_state():
     layer = SKLinear(8, 8, num_terms=1, low_rank=1, seed=0)
     layer.S1.requires_grad_(False)
