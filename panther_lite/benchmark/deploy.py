@@ -185,18 +185,21 @@ def deploy_rows(
 
 def plot_deploy(df: "pd.DataFrame", path: PathLike, *, quality_label: str = "quality", title: str = "") -> Path:
     """Size, latency and quality of each form (rows of :func:`deploy_rows`, one panel row per
-    distinct ``model`` column when there is one) as horizontal bars per runtime; saves a PNG."""
+    distinct ``model`` column when there is one) as horizontal bars per runtime; saves a PNG
+    (without pyplot: :func:`~panther_lite.benchmark.new_figure`)."""
     groups = list(df.groupby("model", sort=False)) if "model" in df else [(title, df)]
     fig = new_figure(figsize=(15, 3.4 * len(groups)))
     axes = fig.subplots(len(groups), 3, squeeze=False)
+    forms = list(DEPLOY_FORMS)
     for row, (name, part) in zip(axes, groups):
         label = part["metric"].iloc[0] if "metric" in part else quality_label
         for ax, column, xlabel in zip(row, ("size_mb", "latency_ms", "quality"),
                                       ("size on disk (MB)", "CPU latency per call (ms)", label)):
-            table = part.pivot(index="form", columns="runtime", values=column).reindex(list(DEPLOY_FORMS)[::-1])
-            table.plot.barh(ax=ax, color={"pytorch": "tab:orange", "onnxruntime": "tab:blue"}, legend=False)
+            for offset, runtime, color in ((0.2, "pytorch", "tab:orange"), (-0.2, "onnxruntime", "tab:blue")):
+                values = part[part["runtime"] == runtime].set_index("form")[column].reindex(forms)
+                ax.barh([-i + offset for i in range(len(forms))], values, height=0.4, color=color, label=runtime)
+            ax.set_yticks([-i for i in range(len(forms))], forms)
             ax.set_xlabel(xlabel)
-            ax.set_ylabel("")
             ax.set_title(name, fontsize=9)
             if column == "quality":
                 ax.set_xlim(max(0.0, part["quality"].min() - 0.05), 1.0)

@@ -5,6 +5,7 @@ CSV and plot. Nothing here depends on timing values."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pandas as pd
 import pytest
@@ -16,7 +17,7 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 from panther_lite.benchmark.deploy import (  # noqa: E402
-    DEPLOY_COLUMNS, DEPLOY_FORMS, deploy_rows, deployable_forms, saved_size_bytes,
+    DEPLOY_COLUMNS, DEPLOY_FORMS, deploy_rows, deployable_forms, plot_deploy, saved_size_bytes,
 )
 from panther_lite.conversion import FrozenLinear  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
@@ -76,3 +77,10 @@ def test_bench_deploy_writes_csv_and_plot(tmp_path, load_script, capsys):
     assert list(df.columns) == bench.COLUMNS and len(df) == 2 * len(DEPLOY_FORMS)
     assert set(df["runtime"]) == {"pytorch", "onnxruntime"} and (df["quality"] > 0.5).all()
     assert (tmp_path / "deploy.png").stat().st_size > 0
+
+
+def test_plot_is_drawn_without_pyplot(tmp_path):
+    rows = [dict(form=form, runtime=runtime, size_mb=1.0, latency_ms=2.0, latency_iqr_ms=0.1, quality=0.9)
+            for form in DEPLOY_FORMS for runtime in ("pytorch", "onnxruntime")]
+    path = plot_deploy(pd.DataFrame(rows), tmp_path / "deploy.png", title="t")
+    assert path.stat().st_size > 0 and "matplotlib.pyplot" not in sys.modules
