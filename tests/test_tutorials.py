@@ -96,3 +96,13 @@ def test_parameter_sweep_tutorial_runs(tmp_path, capsys):
     assert len(sweep) == 5 and sweep["error_svd"].notna().all()
     for name in ("heatmaps.png", "tradeoff.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_deploy_exports_freezes_quantizes_and_compares_the_forms(tmp_path, capsys):
+    out = run_tutorial("deploy.py", tmp_path, capsys)
+    for exporter in ("TorchScript", "dynamo"):
+        assert f"{exporter} exporter: 4 MatMul nodes" in out
+    assert "quantize_dynamic before freeze: 2 sketched layers skipped" in out and "freeze noticed it: 1 warning" in out
+    assert "2 frozen pairs, 5 int8 Linear layers" in out
+    assert out.count("ms for 450 rows") == 10
+    assert (tmp_path / "deploy.png").stat().st_size > 0

@@ -25,6 +25,10 @@ re-exported here.
 * :mod:`~panther_lite.benchmark.bars` — performance bars: a sketched callable timed in
   alternation with its reference (:func:`compare`), rows, lines and a figure.
 * :mod:`~panther_lite.benchmark.cli` — argument types for the benchmark scripts.
+* :mod:`~panther_lite.benchmark.deploy` — a model's deployable forms (dense, converted,
+  frozen, int8) in PyTorch and onnxruntime: :func:`deployable_forms`, :func:`deploy_rows`
+  (size on disk, latency, quality), :func:`plot_deploy`, and the ONNX steps
+  (:func:`export_onnx`, :func:`quantize_onnx_int8`, :func:`onnx_runner`).
 """
 from __future__ import annotations
 
@@ -33,6 +37,17 @@ from .analysis import pareto_front
 from .anchor import anchor_conv2d, anchor_linear
 from .bars import BAR_COLUMNS, bar_line, compare, plot_bars, save_bars
 from .cases import Conv2dCase, GemmShape, LayerCase, LinearCase
+from .deploy import (
+    DEPLOY_COLUMNS,
+    DEPLOY_FORMS,
+    deploy_rows,
+    deployable_forms,
+    export_onnx,
+    onnx_runner,
+    plot_deploy,
+    quantize_onnx_int8,
+    saved_size_bytes,
+)
 from .environment import device_name, ignore_size_warnings
 from .memory import count_parameters, parameter_bytes, saved_activation_bytes, training_memory_bytes
 from .plots import (
@@ -53,6 +68,15 @@ from .tasks import (
 from .timing import Spread, forward_backward_step, forward_step, paired_ratio, time_callable, time_interleaved
 
 __all__ = [
+    "DEPLOY_COLUMNS",
+    "DEPLOY_FORMS",
+    "deploy_rows",
+    "deployable_forms",
+    "export_onnx",
+    "onnx_runner",
+    "plot_deploy",
+    "quantize_onnx_int8",
+    "saved_size_bytes",
     "time_callable",
     "time_interleaved",
     "compare",

@@ -7,9 +7,11 @@ and reports (``report``); :func:`densify` undoes it; :func:`conversion_config` /
 :func:`apply_conversion_config` (``serialization``) rebuild a converted layout so its
 ``state_dict`` loads into a fresh copy of the dense model; :func:`save_pretrained` /
 :func:`from_pretrained` (``pretrained``) save and rebuild a converted model with its config;
-and :func:`tune` (``tuning``) finds the smallest budget within a tolerance of the dense score.
+and :func:`tune` (``tuning``) finds the smallest budget within a tolerance of the dense score;
+:func:`freeze` (``freezing``) turns sketched layers into standard ones for deployment.
 """
 from .api import convert, densify
+from .freezing import FrozenConv1d, FrozenConv2d, FrozenConv3d, FrozenLinear, freeze
 from .pretrained import from_pretrained, save_pretrained
 from .report import conversion_summary
 from .serialization import apply_conversion_config, conversion_config
@@ -19,6 +21,11 @@ from .verification import ConversionError
 __all__ = [
     "convert",
     "densify",
+    "freeze",
+    "FrozenLinear",
+    "FrozenConv1d",
+    "FrozenConv2d",
+    "FrozenConv3d",
     "conversion_summary",
     "conversion_config",
     "apply_conversion_config",

@@ -37,6 +37,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Tuple, Union
 import torch
 import torch.nn as nn
 
+from .quantized import warn_if_quantized_beside
 from .serialization import apply_conversion_config, conversion_config
 
 __all__ = ["save_pretrained", "from_pretrained", "PRETRAINED_CONFIG_NAME"]
@@ -167,6 +168,9 @@ def save_pretrained(model: nn.Module, directory: PathLike) -> None:
     to it: its parent may be read-only) and then moved into place (``directory`` is created
     if needed; files already there under other names stay), so a failure while writing
     leaves it unchanged (a directory this call created is removed again).
+    Frozen layers (:func:`~panther_lite.freeze`) are recorded and rebuilt frozen. A model
+    holding quantized modules beside sketched layers gets a warning: the quantizer skipped
+    them (freeze before quantizing).
 
     Args:
         model: any ``nn.Module``; a PEFT model is saved whole (base and adapters) as a state_dict.
@@ -183,6 +187,8 @@ def save_pretrained(model: nn.Module, directory: PathLike) -> None:
         raise ValueError(f"directory {str(directory)!r} {where}")
     saved_with = _saved_with(model)
     conversion = conversion_config(model)
+    unfrozen = [entry["name"] for entry in conversion["layers"] if not entry.get("frozen", False)]
+    warn_if_quantized_beside(model, unfrozen, "save_pretrained")
     if saved_with == _SENTENCE_TRANSFORMERS:
         _check_layers_reloadable(model, conversion)
     created = not directory.exists()
@@ -271,9 +277,15 @@ def _load_transformers(model_class, directory: Path, conversion: Mapping, kwargs
     return model
 
 
+def _in_layers(key: str, layer_names) -> bool:
+    """Whether the state_dict ``key`` belongs to one of the layers (a frozen layer's keys are
+    its children's, ``name.0.weight``)."""
+    return any(key.startswith(f"{name}.") for name in layer_names)
+
+
 def _check_sketched_keys_loaded(conversion: Mapping, missing_keys, directory: Path) -> None:
     layers = {entry["name"] for entry in conversion["layers"]}
-    missing = sorted(key for key in missing_keys if key.rpartition(".")[0] in layers)
+    missing = sorted(key for key in missing_keys if _in_layers(key, layers))
     if missing:
         raise ValueError(f"{str(directory)!r} lacks the weights of sketched layers: {', '.join(missing[:5])}")
 
@@ -325,7 +337,7 @@ def _load_sketched_layers(sub: nn.Module, relative: Mapping, directory: Path) ->
     sub.config.__dict__.pop(HF_CONFIG_KEY, None)
     names = {entry["name"] for entry in relative["layers"]}
     weights = _read_weights(Path(sub.name_or_path))
-    sketched = {key: value for key, value in weights.items() if key.rpartition(".")[0] in names}
+    sketched = {key: value for key, value in weights.items() if _in_layers(key, names)}
     sub.load_state_dict(sketched, strict=False)
     state = sub.state_dict(keep_vars=True)
     stored = {id(tensor) for key, tensor in state.items() if key in weights}  # tied tensors are saved once

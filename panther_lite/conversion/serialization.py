@@ -13,6 +13,7 @@ import torch.nn as nn
 from ..nn import SKLinear
 from ..nn.validation import check_sketch_rank
 from .fitting import match_trainability
+from .freezing import FROZEN_TYPES, FrozenLinear, frozen_twin
 from .kinds import HF_CONV1D, KIND_BY_NAME, KINDS, SKETCHED_TYPES, LayerKind, dense_kind_of
 from .surgery import swap_modules
 
@@ -31,6 +32,20 @@ def _dense_shape(module: nn.Module, kind: LayerKind) -> List[int]:
     if isinstance(module, SKLinear):
         return [module.out_features, module.in_features]
     return [module.out_channels, module.in_channels, *module.kernel_size]
+
+
+def _frozen_entry(fqn: str, module: nn.Module) -> dict:
+    """The config entry of a frozen layer: its sketched layer's, with ``frozen: true``."""
+    kind = KIND_BY_NAME[module.dense]
+    if isinstance(module, FrozenLinear):
+        shape = [module.out_features, module.in_features]
+        shape = shape[::-1] if kind is HF_CONV1D else shape
+    else:
+        shape = [module.out_channels, module.in_channels, *module.kernel_size]
+    return dict(
+        name=fqn, kind=kind.sketched.__name__, dense=kind.name, shape=shape, num_terms=module.num_terms,
+        low_rank=module.low_rank, bias=module.has_bias, frozen=True,
+    )
 
 
 def conversion_config(model: nn.Module) -> dict:
@@ -61,6 +76,8 @@ def conversion_config(model: nn.Module) -> dict:
                     bias=module.bias is not None,
                 )
             )
+        elif isinstance(module, FROZEN_TYPES):
+            layers.append(_frozen_entry(fqn, module))
     return dict(format=CONFIG_FORMAT, version=CONFIG_VERSION, layers=layers)
 
 
@@ -86,8 +103,9 @@ def _check_entry(index: int, entry) -> LayerKind:
     for field in ("num_terms", "low_rank"):
         if not _is_count(entry[field]):
             raise ValueError(f"{where}: {field!r} must be an integer >= 1, got {entry[field]!r}")
-    if not isinstance(entry["bias"], bool):
-        raise ValueError(f"{where}: 'bias' must be true or false (a JSON boolean), got {entry['bias']!r}")
+    for field in ("bias", "frozen"):
+        if not isinstance(entry.get(field, False), bool):
+            raise ValueError(f"{where}: {field!r} must be true or false (a JSON boolean), got {entry[field]!r}")
     shape = entry["shape"]
     if not isinstance(shape, (list, tuple)) or not shape or not all(_is_count(size) for size in shape):
         raise ValueError(f"{where}: 'shape' must be a list of positive integers, got {shape!r}")
@@ -145,8 +163,9 @@ def apply_conversion_config(model: nn.Module, config: Mapping) -> nn.Module:
     layers of the recorded sizes, in place, so a converted model's ``state_dict`` loads
     into ``model`` (a fresh instance of the original architecture). No fitting happens:
     the new layers hold placeholder values (a sketch of the fresh weights) until the
-    state_dict is loaded; a layer on the meta device gets a sketched layer on the meta
-    device, to materialise with ``load_state_dict(..., assign=True)``.
+    state_dict is loaded; entries with ``"frozen": true`` get the frozen pair of standard
+    layers (:func:`~panther_lite.freeze`); a layer on the meta device gets a layer on the
+    meta device, to materialise with ``load_state_dict(..., assign=True)``.
 
     The whole config is validated against the model first (ValueError naming the bad
     entry and field: no ``layers``, a field missing or of the wrong type, an unknown kind,
@@ -169,6 +188,8 @@ def apply_conversion_config(model: nn.Module, config: Mapping) -> nn.Module:
         else:  # a sketch of the fresh weights: valid values even before the state_dict loads
             new = kind.build(module, entry["num_terms"], entry["low_rank"], init="sketch", seed=0)
         match_trainability(new, module)
+        if entry.get("frozen", False):
+            new = frozen_twin(new)
         replacements.append((entry["name"], new))
     swap_modules(model, replacements)
     return model

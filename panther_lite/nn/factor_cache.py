@@ -22,7 +22,7 @@ from torch import Tensor
 
 from . import change_detection
 
-__all__ = ["clear_factor_cache", "stacked_factors"]
+__all__ = ["clear_factor_cache", "concatenate_factors", "stacked_factors"]
 
 
 class _Entry(NamedTuple):
@@ -49,7 +49,8 @@ def _signature(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> 
     )
 
 
-def _concatenate(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
+def concatenate_factors(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
+    """``([S1 | U2], scale·[U1; S2])``, uncached and detached."""
     with torch.no_grad():
         return torch.cat((S1, U2), dim=1), torch.cat((U1, S2), dim=0).mul_(scale)
 
@@ -62,14 +63,14 @@ def stacked_factors(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float
     try:
         signature = _signature(S1, U1, U2, S2, scale)
     except RuntimeError:  # an inference tensor: "Inference tensors do not track version counter"
-        return _concatenate(S1, U1, U2, S2, scale)
+        return concatenate_factors(S1, U1, U2, S2, scale)
     key = id(S1)
     entry = _CACHE.get(key)
     if entry is not None and entry.signature == signature:
         s1_ref, u1_ref, u2_ref, s2_ref = entry.refs
         if s1_ref() is S1 and u1_ref() is U1 and u2_ref() is U2 and s2_ref() is S2:
             return entry.left, entry.right
-    left, right = _concatenate(S1, U1, U2, S2, scale)
+    left, right = concatenate_factors(S1, U1, U2, S2, scale)
     refs = (weakref.ref(S1, lambda _: _CACHE.pop(key, None)), weakref.ref(U1), weakref.ref(U2), weakref.ref(S2))
     _CACHE[key] = _Entry(refs, signature, left, right)
     return left, right

@@ -163,6 +163,18 @@ def _composable_product(
     return out if bias is None else out + bias
 
 
+def _onnx_product(
+    x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float
+) -> Tensor:
+    """The stacked schedule in standard ops for ONNX, which has no kernel for the custom op:
+    two ``MatMul`` of width ``2Lk`` whose right-hand sides, ``[S1 | U2]`` and
+    ``scale·[U1; S2]``, the exporters fold into initializers the size of the factors (the
+    dense weight is never formed)."""
+    hidden = x @ torch.cat((S1, U2), dim=1)
+    out = hidden @ (torch.cat((U1, S2), dim=0) * scale)
+    return out if bias is None else out + bias
+
+
 def _under_transform() -> bool:
     """Whether a ``torch.func`` transform or a forward-AD dual level is active."""
     return peek_interpreter_stack() is not None or forward_ad._current_level >= 0
@@ -224,8 +236,10 @@ def _rows_product(
 ) -> Tensor:
     """``(rows, in) -> (rows, out)`` by the route this call needs (see the module docstring).
     Graph capture (compile, export, ``torch.jit.trace``) always records the op: a trace of
-    the cached factors would freeze today's weights into the graph as constants."""
-    if not (torch.compiler.is_compiling() or torch.jit.is_tracing()):
+    the cached factors would freeze today's weights into the graph as constants. ONNX
+    export (both exporters) records plain ops instead (:func:`_onnx_product`)."""
+    capturing = torch.compiler.is_compiling() or torch.jit.is_tracing()
+    if not capturing:
         if _under_transform():
             _check_operands(x, S1, U1, U2, S2, bias)
             return _composable_product(x, S1, U1, U2, S2, bias, scale)
@@ -236,6 +250,8 @@ def _rows_product(
                 _check_operands(x, S1, U1, U2, S2, bias)  # checked lazily: the clear error for mismatched operands
                 raise
     _check_operands(x, S1, U1, U2, S2, bias)
+    if capturing and torch.onnx.is_in_onnx_export():
+        return _onnx_product(x, S1, U1, U2, S2, bias, scale)
     return _sketched_linear_op(x, S1, U1, U2, S2, bias, scale)[0]
 
 
