@@ -212,7 +212,7 @@ def test_bad_input_ends_in_one_message_and_writes_nothing(case, checkpoints, tex
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
     if status == 1:
-        assert len(err.strip().splitlines()) == 1 and err.startswith("panther_lite compress: error: "), err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("python -m panther_lite compress: error: "), err
     assert sorted(path.name for path in tmp_path.iterdir()) == before
 
 

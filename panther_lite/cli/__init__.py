@@ -10,13 +10,14 @@ from .compress import add_compress_command
 
 __all__ = ["main", "build_parser", "CommandError"]
 
+PROG = "python -m panther_lite"
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
 # what bad input raises; anything else is a bug and keeps its traceback
 _INPUT_ERRORS = (CommandError, ValueError, TypeError, OSError, RuntimeError, ImportError)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m panther_lite", description="panther_lite commands")
+    parser = argparse.ArgumentParser(prog=PROG, description="panther_lite commands")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_compress_command(commands)
     return parser
@@ -34,8 +35,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return args.run(args)
     except KeyboardInterrupt:
-        print(f"panther_lite {args.command}: interrupted; nothing was written", file=sys.stderr)
+        print(f"{PROG} {args.command}: interrupted; nothing was written", file=sys.stderr)
         return INTERRUPTED
     except _INPUT_ERRORS as error:
-        print(f"panther_lite {args.command}: error: {error}", file=sys.stderr)
+        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
         return 1

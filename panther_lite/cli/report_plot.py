@@ -2,6 +2,7 @@
 (a pyplot-free figure, so no display is needed and no backend changes)."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Union
 
@@ -31,10 +32,13 @@ def plot_conversion_report(report: pd.DataFrame, path: Union[str, Path], title: 
     for x in positions[~converted]:
         rank_ax.axvspan(x - 0.4, x + 0.4, color="0.85", lw=0)
     rank_ax.set_ylabel("rank 2·L·k")
-    rank_ax.set_title(title or report.attrs.get("summary", ""), fontsize=9)
+    rank_ax.set_title(textwrap.fill(title or report.attrs.get("summary", ""), int(13 * width)), fontsize=8)
+    handles, _ = rank_ax.get_legend_handles_labels()
     if (~converted).any():
-        rank_ax.bar([], [], color="0.85", label="kept dense or skipped")
-    rank_ax.legend(fontsize=8, loc="upper right")
+        from matplotlib.patches import Patch
+
+        handles.append(Patch(color="0.85", label="kept dense or skipped"))
+    rank_ax.legend(handles=handles, fontsize=8, loc="upper right")
     for column, marker, colour in (("output_error", "o", "tab:red"), ("weight_error", "s", "tab:orange")):
         values = report[column].to_numpy(dtype=float)
         shown = converted & np.isfinite(values) & (values > 0)
