@@ -38,7 +38,7 @@ def plot_conversion_report(report: pd.DataFrame, path: Union[str, Path], title: 
         from matplotlib.patches import Patch
 
         handles.append(Patch(color="0.85", label="kept dense or skipped"))
-    rank_ax.legend(handles=handles, fontsize=8, loc="upper right")
+    rank_ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.005, 1))
     for column, marker, colour in (("output_error", "o", "tab:red"), ("weight_error", "s", "tab:orange")):
         values = report[column].to_numpy(dtype=float)
         shown = converted & np.isfinite(values) & (values > 0)
@@ -48,7 +48,7 @@ def plot_conversion_report(report: pd.DataFrame, path: Union[str, Path], title: 
     error_ax.set_ylabel("relative error")
     error_ax.grid(True, which="both", axis="y", alpha=0.3)
     if error_ax.get_legend_handles_labels()[0]:
-        error_ax.legend(fontsize=8, loc="upper right")
+        error_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.005, 1))
     step = max(1, -(-len(report) // _MAX_LABELLED_LAYERS))
     error_ax.set_xticks(positions[::step], list(report["name"])[::step], rotation=90, fontsize=6)
     error_ax.set_xlim(-0.6, len(report) - 0.4)
