@@ -279,3 +279,15 @@ def test_auto_class_follows_the_saved_architecture():
     assert auto_class_for(transformers.GPT2Config(architectures=["GPT2LMHeadModel"])) is transformers.AutoModelForCausalLM
     assert auto_class_for(transformers.BertConfig(architectures=["BertModel"])) is transformers.AutoModel
     assert auto_class_for(transformers.BertConfig()) is transformers.AutoModel
+
+
+def test_fewer_calibration_tokens_than_a_layer_has_inputs_warns(checkpoints, text_file, tmp_path, monkeypatch, capsys):
+    def stop(model, **options):
+        raise ValueError("stop before converting")
+
+    monkeypatch.setattr(compress_module, "convert", stop)
+    few = ["--max-samples", "2", "--seq-len", "4"]
+    main(_argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS, *few))
+    assert "fewer than the 64 inputs of model.layers.0.mlp.down_proj" in capsys.readouterr().err
+    main(_argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS))
+    assert "warning" not in capsys.readouterr().err

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..benchmark.cli import DTYPES, positive_int
 from ..conversion import convert, save_pretrained
+from ..conversion.kinds import LINEAR_KINDS, kind_of
 from ..conversion.planning import ALLOCATIONS
 from ..nn.low_rank_fit import FIT_METHODS
 from .checkpoint import CommandError, calibration_batches, check_model_dir, load_checkpoint, read_samples
@@ -136,6 +137,18 @@ def _without_kv_cache(model: nn.Module) -> Iterator[None]:
             config.use_cache = previous
 
 
+def _warn_if_few_tokens(model: nn.Module, tokens: int) -> None:
+    """Whitened fits see only the input directions the calibration tokens span: with fewer
+    tokens than a layer has inputs, its fit matches the calibration text and little else."""
+    widths = [(kind.weight_matrix(module).shape[1], name) for name, module in model.named_modules()
+              if (kind := kind_of(module)) in LINEAR_KINDS]
+    widest, name = max(widths, key=lambda width_name: width_name[0], default=(0, ""))  # the first widest
+    if tokens < widest:
+        print(f"warning: the calibration text has {tokens:,} tokens, fewer than the {widest:,} inputs of {name}: "
+              f"layers that wide are fitted to the calibration text alone; give several times {widest:,} tokens",
+              file=sys.stderr)
+
+
 def _check_paths(args: argparse.Namespace) -> None:
     check_model_dir(args.model_dir)
     output = Path(os.path.abspath(args.output))
@@ -160,6 +173,7 @@ def run_compress(args: argparse.Namespace) -> int:
         model, tokenizer, auto_class = load_checkpoint(args.model_dir, DTYPES.get(args.dtype))
         batches = calibration_batches(samples, tokenizer, model, args.seq_len, args.batch_size)
         tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
+        _warn_if_few_tokens(model, tokens)
         say(f"loaded {type(model).__name__} ({auto_class.__name__}) from {args.model_dir}; calibrating on "
             f"{len(samples)} samples ({tokens:,} tokens) in {len(batches)} batches")
         with _without_kv_cache(model):
