@@ -66,7 +66,13 @@ AUTO_CLASSES = {"gpt2": "AutoModelForCausalLM", "llama": "AutoModelForCausalLM",
 
 
 def _save_checkpoint(model: nn.Module, directory: Path) -> Path:
-    model.save_pretrained(str(directory))
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # its bars would land in the next test's stderr
+    try:
+        model.save_pretrained(str(directory))
+    finally:
+        transformers_logging.enable_progress_bar()
     _tokenizer().save_pretrained(str(directory))
     return directory
 

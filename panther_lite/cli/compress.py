@@ -137,6 +137,21 @@ def _without_kv_cache(model: nn.Module) -> Iterator[None]:
             config.use_cache = previous
 
 
+@contextlib.contextmanager
+def _transformers_bars(shown: bool) -> Iterator[None]:
+    """transformers' own progress bars (loading, saving) hidden unless ``shown``, then restored."""
+    from transformers.utils import logging as transformers_logging
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    if not shown:
+        transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()
+
+
 def _warn_if_few_tokens(model: nn.Module, tokens: int) -> None:
     """Whitened fits see only the input directions the calibration tokens span: with fewer
     tokens than a layer has inputs, its fit matches the calibration text and little else."""
@@ -158,18 +173,15 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 
 def run_compress(args: argparse.Namespace) -> int:
-    """Run the command (bad input raises :class:`~panther_lite.cli.checkpoint.CommandError`,
-    ValueError or TypeError before anything is written). Returns the exit status."""
+    """Run the command; returns the exit status. Bad input raises
+    :class:`~panther_lite.cli.checkpoint.CommandError` (or convert's ValueError / TypeError /
+    ConversionError) and leaves ``OUT_DIR`` as it was."""
     started = time.perf_counter()
     say = (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr, flush=True))
     _check_paths(args)
     samples = read_samples(args.calibration, args.max_samples)
     options = convert_options(args)
-    if args.quiet:
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()
-    with staged_directory(args.output, args.overwrite) as staging:
+    with _transformers_bars(shown=not args.quiet), staged_directory(args.output, args.overwrite) as staging:
         model, tokenizer, auto_class = load_checkpoint(args.model_dir, DTYPES.get(args.dtype))
         batches = calibration_batches(samples, tokenizer, model, args.seq_len, args.batch_size)
         tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
@@ -178,11 +190,12 @@ def run_compress(args: argparse.Namespace) -> int:
             f"{len(samples)} samples ({tokens:,} tokens) in {len(batches)} batches")
         with _without_kv_cache(model):
             report = convert(model, calibration_data=batches, **options)
-        say(f"converted in {time.perf_counter() - started:.1f} s; saving")
+        pipeline = f" ({report.attrs['pipeline']})" if "pipeline" in report.attrs else ""  # where convert reports it
+        say(f"converted in {time.perf_counter() - started:.1f} s{pipeline}; saving")
         save_pretrained(model, staging)
         tokenizer.save_pretrained(str(staging))
         report.to_csv(staging / REPORT_CSV, index=False)
-        plot_conversion_report(report, staging / REPORT_PNG, title=f"{args.model_dir.name}: {report.attrs['summary']}")
+        plot_conversion_report(report, staging / REPORT_PNG, title=f"{Path(os.path.abspath(args.model_dir)).name}: {report.attrs['summary']}")
     print(report.attrs["summary"], flush=True)
     say(f"wrote {args.output} in {time.perf_counter() - started:.1f} s; load it with "
         f"panther_lite.from_pretrained({auto_class.__name__}, {str(args.output)!r})")
