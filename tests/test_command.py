@@ -3,10 +3,12 @@ disk (GPT-2, LLaMA, BERT), the reloaded model against one converted in-process, 
 kind of bad input ending in one message, a non-zero exit and nothing written."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
@@ -47,7 +49,8 @@ def _tokenizer():
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]"
+        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]",
     )
 
 
@@ -122,7 +125,9 @@ def _converted_in_process(model_dir: Path, text_file: Path, **options):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_compress_writes_a_model_that_from_pretrained_reloads_as_convert_made_it(name, checkpoints, text_file, tmp_path, capsys):
+def test_compress_writes_a_model_that_from_pretrained_reloads_as_convert_made_it(
+    name, checkpoints, text_file, tmp_path, capsys
+):
     output = tmp_path / "out"
     assert main(_argv(checkpoints[name], text_file, output, *RATIO_ARGS)) == 0
     expected, batches, report = _converted_in_process(checkpoints[name], text_file, param_ratio=0.5, fit="exact")
@@ -132,12 +137,11 @@ def test_compress_writes_a_model_that_from_pretrained_reloads_as_convert_made_it
     assert _leftovers(tmp_path, output) == []
 
     reloaded = panther_lite.from_pretrained(getattr(transformers, AUTO_CLASSES[name]), output).eval()
-    assert sum(isinstance(module, SKLinear) for module in reloaded.modules()) == (report["status"] == "converted").sum() > 0
+    sketched = sum(isinstance(module, SKLinear) for module in reloaded.modules())
+    assert sketched == (report["status"] == "converted").sum() > 0
     with torch.no_grad():
         for batch in batches:
             torch.testing.assert_close(reloaded(**batch).logits, expected(**batch).logits, rtol=1e-5, atol=1e-5)
-    import pandas as pd
-
     written = pd.read_csv(output / "report.csv")
     assert list(written["name"]) == list(report["name"])
     assert list(written["low_rank"].fillna(0)) == list(report["low_rank"].fillna(0))
@@ -151,7 +155,8 @@ def test_python_dash_m_runs_global_sequential_and_replaces_with_overwrite(checkp
     argv = _argv(checkpoints["llama"], text_file, output, "--param-ratio", "0.5", "--allocation", "global",
                  "--sequential", "--seed", "0", "--overwrite", "--max-samples", "12", "--seq-len", "8")
     result = subprocess.run([sys.executable, "-m", "panther_lite", *argv], capture_output=True, text=True,
-                            cwd=ROOT, timeout=300, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+                            cwd=ROOT, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().startswith("converted ") and "Traceback" not in result.stderr
     assert "from_pretrained(AutoModelForCausalLM" in result.stderr
@@ -188,26 +193,34 @@ def _bad_inputs(checkpoints, text_file, tmp_path):
     gpt2, out = checkpoints["gpt2"], tmp_path / "out"
     not_a_model = tmp_path / "not_a_model"
     not_a_model.mkdir()
+    no_tokenizer = tmp_path / "no_tokenizer"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text((gpt2 / "config.json").read_text())
     empty_text = tmp_path / "empty.txt"
     empty_text.write_text("\n  \n\n")
     return {
         "missing model dir": (_argv(tmp_path / "absent", text_file, out, *RATIO_ARGS), 1, "does not exist"),
         "not a model dir": (_argv(not_a_model, text_file, out, *RATIO_ARGS), 1, "no config.json"),
+        "no tokenizer": (_argv(no_tokenizer, text_file, out, *RATIO_ARGS), 1, "no usable tokenizer"),
         "missing calibration": (_argv(gpt2, tmp_path / "absent.txt", out, *RATIO_ARGS), 1, "does not exist"),
         "empty calibration": (_argv(gpt2, empty_text, out, *RATIO_ARGS), 1, "has no text"),
         "unknown allocation": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--allocation", "best"), 2, "invalid choice"),
         "ratio above one": (_argv(gpt2, text_file, out, "--param-ratio", "1.5"), 2, "(0, 1]"),
         "ratio not a number": (_argv(gpt2, text_file, out, "--param-ratio", "half"), 2, "(0, 1]"),
         "no size": (_argv(gpt2, text_file, out, "--quiet"), 1, "--param-ratio"),
-        "no linear layers": (_argv(_no_linear_checkpoint(tmp_path / "no_linear"), text_file, out, *RATIO_ARGS), 1, "no"),
+        "no linear layers": (
+            _argv(_no_linear_checkpoint(tmp_path / "no_linear"), text_file, out, *RATIO_ARGS), 1, "candidates are: none"
+        ),
         "unmatched target": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--target-modules", "q_proj"), 1, "q_proj"),
         "output inside model dir": (_argv(gpt2, text_file, gpt2 / "out", *RATIO_ARGS), 1, "MODEL_DIR"),
     }
 
 
-CASES = ["missing model dir", "not a model dir", "missing calibration", "empty calibration", "unknown allocation",
-         "ratio above one", "ratio not a number", "no size", "no linear layers", "unmatched target",
-         "output inside model dir"]
+CASES = [
+    "missing model dir", "not a model dir", "no tokenizer", "missing calibration", "empty calibration",
+    "unknown allocation", "ratio above one", "ratio not a number", "no size", "no linear layers",
+    "unmatched target", "output inside model dir",
+]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -282,7 +295,8 @@ def test_calibration_batches_skip_blanks_truncate_pad_and_leave_the_tokenizer_al
 
 
 def test_auto_class_follows_the_saved_architecture():
-    assert auto_class_for(transformers.GPT2Config(architectures=["GPT2LMHeadModel"])) is transformers.AutoModelForCausalLM
+    gpt2 = transformers.GPT2Config(architectures=["GPT2LMHeadModel"])
+    assert auto_class_for(gpt2) is transformers.AutoModelForCausalLM
     assert auto_class_for(transformers.BertConfig(architectures=["BertModel"])) is transformers.AutoModel
     assert auto_class_for(transformers.BertConfig()) is transformers.AutoModel
 

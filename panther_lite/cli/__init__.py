@@ -38,5 +38,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{PROG} {args.command}: interrupted; nothing was written", file=sys.stderr)
         return INTERRUPTED
     except _INPUT_ERRORS as error:
-        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+        one_line = " ".join(str(error).split())  # library messages may span lines
+        print(f"{PROG} {args.command}: error: {one_line}", file=sys.stderr)
         return 1

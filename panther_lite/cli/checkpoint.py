@@ -9,7 +9,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-__all__ = ["CommandError", "check_model_dir", "auto_class_for", "load_checkpoint", "read_samples", "calibration_batches"]
+__all__ = [
+    "CommandError", "check_model_dir", "auto_class_for", "load_checkpoint", "read_samples", "calibration_batches",
+]
 
 
 class CommandError(Exception):
@@ -108,7 +110,8 @@ def read_samples(path: Path, max_samples: int) -> List[str]:
 
 def _max_tokens(model: nn.Module, seq_len: int) -> int:
     """``seq_len`` capped at the positions the model embeds (longer inputs would fail in it)."""
-    limits = [seq_len, getattr(model.config, "max_position_embeddings", None), getattr(model.config, "n_positions", None)]
+    config = model.config
+    limits = [seq_len, getattr(config, "max_position_embeddings", None), getattr(config, "n_positions", None)]
     return min(limit for limit in limits if isinstance(limit, int) and limit > 0)
 
 

@@ -195,7 +195,8 @@ def run_compress(args: argparse.Namespace) -> int:
         save_pretrained(model, staging)
         tokenizer.save_pretrained(str(staging))
         report.to_csv(staging / REPORT_CSV, index=False)
-        plot_conversion_report(report, staging / REPORT_PNG, title=f"{Path(os.path.abspath(args.model_dir)).name}: {report.attrs['summary']}")
+        model_name = Path(os.path.abspath(args.model_dir)).name
+        plot_conversion_report(report, staging / REPORT_PNG, title=f"{model_name}: {report.attrs['summary']}")
     print(report.attrs["summary"], flush=True)
     say(f"wrote {args.output} in {time.perf_counter() - started:.1f} s; load it with "
         f"panther_lite.from_pretrained({auto_class.__name__}, {str(args.output)!r})")
