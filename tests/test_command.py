@@ -4,6 +4,7 @@ kind of bad input ending in one message, a non-zero exit and nothing written."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -193,15 +194,17 @@ def _bad_inputs(checkpoints, text_file, tmp_path):
     gpt2, out = checkpoints["gpt2"], tmp_path / "out"
     not_a_model = tmp_path / "not_a_model"
     not_a_model.mkdir()
-    no_tokenizer = tmp_path / "no_tokenizer"
+    no_tokenizer, no_weights = tmp_path / "no_tokenizer", tmp_path / "no_weights"
     no_tokenizer.mkdir()
     (no_tokenizer / "config.json").write_text((gpt2 / "config.json").read_text())
+    shutil.copytree(gpt2, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
     empty_text = tmp_path / "empty.txt"
     empty_text.write_text("\n  \n\n")
     return {
         "missing model dir": (_argv(tmp_path / "absent", text_file, out, *RATIO_ARGS), 1, "does not exist"),
         "not a model dir": (_argv(not_a_model, text_file, out, *RATIO_ARGS), 1, "no config.json"),
         "no tokenizer": (_argv(no_tokenizer, text_file, out, *RATIO_ARGS), 1, "no usable tokenizer"),
+        "no weights": (_argv(no_weights, text_file, out, *RATIO_ARGS), 1, "could not be loaded"),
         "missing calibration": (_argv(gpt2, tmp_path / "absent.txt", out, *RATIO_ARGS), 1, "does not exist"),
         "empty calibration": (_argv(gpt2, empty_text, out, *RATIO_ARGS), 1, "has no text"),
         "unknown allocation": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--allocation", "best"), 2, "invalid choice"),
@@ -217,7 +220,7 @@ def _bad_inputs(checkpoints, text_file, tmp_path):
 
 
 CASES = [
-    "missing model dir", "not a model dir", "no tokenizer", "missing calibration", "empty calibration",
+    "missing model dir", "not a model dir", "no tokenizer", "no weights", "missing calibration", "empty calibration",
     "unknown allocation", "ratio above one", "ratio not a number", "no size", "no linear layers",
     "unmatched target", "output inside model dir",
 ]

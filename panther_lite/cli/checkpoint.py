@@ -87,6 +87,8 @@ def load_checkpoint(model_dir: Path, dtype: Optional[torch.dtype]) -> Tuple[nn.M
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CommandError(f"MODEL_DIR {str(model_dir)!r} has no usable tokenizer: {error}") from None
+    if len(tokenizer) <= len(tokenizer.all_special_tokens):  # transformers builds empty ones without files
+        raise CommandError(f"MODEL_DIR {str(model_dir)!r} has no usable tokenizer: its vocabulary is empty")
     try:
         model = auto_class.from_pretrained(str(model_dir), dtype="auto" if dtype is None else dtype)
     except (OSError, ValueError) as error:
