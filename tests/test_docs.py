@@ -33,7 +33,7 @@ def html(tmp_path_factory) -> Path:
 
 
 def test_build_is_warning_free_and_has_every_page(html):
-    for page in ("index", "math", "workflows", "huggingface", "training", "deployment", "benchmarks",
+    for page in ("index", "math", "workflows", "command", "huggingface", "training", "deployment", "benchmarks",
                  "panther_comparison", "api"):
         assert (html / f"{page}.html").is_file(), page
 

@@ -1,0 +1,43 @@
+"""The ``python -m panther_lite`` command line: its sub-commands and their entry point."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from .checkpoint import CommandError
+from .compress import add_compress_command
+
+__all__ = ["main", "build_parser", "CommandError"]
+
+PROG = "python -m panther_lite"
+INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
+# what bad input raises; anything else is a bug and keeps its traceback
+_INPUT_ERRORS = (CommandError, ValueError, TypeError, OSError, RuntimeError, ImportError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="panther_lite commands")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_compress_command(commands)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run a command (``argv`` without the program name; None: ``sys.argv[1:]``) and return
+    its exit status: 0 on success, 1 with one line on stderr for bad input or a failed
+    conversion, 2 for bad options (argparse's usage message), 130 on Ctrl-C."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:  # --help, or argparse rejected an option
+        return exit_request.code if isinstance(exit_request.code, int) else 2
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted; nothing was written", file=sys.stderr)
+        return INTERRUPTED
+    except _INPUT_ERRORS as error:
+        one_line = " ".join(str(error).split())  # library messages may span lines
+        print(f"{PROG} {args.command}: error: {one_line}", file=sys.stderr)
+        return 1

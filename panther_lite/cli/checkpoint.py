@@ -1,0 +1,144 @@
+"""Reading a command's inputs: a transformers checkpoint directory (its Auto class, model and
+tokenizer) and a calibration text file turned into tokenized batches."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "CommandError", "check_model_dir", "auto_class_for", "load_checkpoint", "read_samples", "calibration_batches",
+]
+
+
+class CommandError(Exception):
+    """Bad input to a command: its message is printed on its own, without a traceback."""
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """Raise :class:`CommandError` unless ``model_dir`` is a directory holding a transformers
+    ``config.json`` with a ``model_type``."""
+    if not model_dir.is_dir():
+        raise CommandError(f"MODEL_DIR {str(model_dir)!r} does not exist or is not a directory")
+    config = model_dir / "config.json"
+    if not config.is_file():
+        raise CommandError(
+            f"MODEL_DIR {str(model_dir)!r} has no config.json: not a transformers model directory "
+            "(one written by save_pretrained)"
+        )
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+        raise CommandError(f"{str(config)!r} is not a JSON object: {error}") from None
+    if not model_type:
+        raise CommandError(f"{str(config)!r} names no model_type: not a transformers model config")
+
+
+def _auto_classes() -> List[type]:
+    """``AutoModel`` first, then every ``AutoModelFor...`` class of the installed transformers."""
+    import transformers
+
+    names = ["AutoModel"] + sorted(name for name in dir(transformers) if name.startswith("AutoModelFor"))
+    return [getattr(transformers, name) for name in names]
+
+
+def _builds(auto_class: type, config, architecture: str) -> bool:
+    try:
+        built = auto_class._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return False
+    return architecture in {cls.__name__ for cls in (built if isinstance(built, tuple) else (built,))}
+
+
+def auto_class_for(config) -> type:
+    """The transformers Auto class that builds ``config.architectures[0]`` for this config
+    (``AutoModelForCausalLM`` for a ``GPT2LMHeadModel``, say); ``AutoModel`` when the config
+    names no architecture; the architecture's own class when no Auto class builds it."""
+    import transformers
+
+    architectures = getattr(config, "architectures", None) or []
+    if not architectures:
+        return transformers.AutoModel
+    architecture = architectures[0]
+    found = next((auto for auto in _auto_classes() if _builds(auto, config, architecture)), None)
+    if found is not None:
+        return found
+    own = getattr(transformers, architecture, None)
+    if own is None:
+        raise CommandError(f"config.json names architecture {architecture!r}, which this transformers cannot build")
+    return own
+
+
+def load_checkpoint(model_dir: Path, dtype: Optional[torch.dtype]) -> Tuple[nn.Module, object, type]:
+    """``(model, tokenizer, auto_class)`` read from ``model_dir`` (model in eval mode, on the
+    CPU, in ``dtype`` or, for None, the checkpoint's own dtype)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    check_model_dir(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir))
+    except (OSError, ValueError, KeyError) as error:
+        raise CommandError(f"MODEL_DIR {str(model_dir)!r}: its config.json could not be read: {error}") from None
+    auto_class = auto_class_for(config)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CommandError(f"MODEL_DIR {str(model_dir)!r} has no usable tokenizer: {error}") from None
+    if len(tokenizer) <= len(tokenizer.all_special_tokens):  # transformers builds empty ones without files
+        raise CommandError(f"MODEL_DIR {str(model_dir)!r} has no usable tokenizer: its vocabulary is empty")
+    try:
+        model = auto_class.from_pretrained(str(model_dir), dtype="auto" if dtype is None else dtype)
+    except (OSError, ValueError) as error:
+        raise CommandError(f"MODEL_DIR {str(model_dir)!r}: the model could not be loaded: {error}") from None
+    return model.eval(), tokenizer, auto_class
+
+
+def read_samples(path: Path, max_samples: int) -> List[str]:
+    """The first ``max_samples`` non-blank lines of the text file ``path``, stripped."""
+    if not path.is_file():
+        raise CommandError(f"calibration file {str(path)!r} does not exist or is not a file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise CommandError(f"calibration file {str(path)!r} is not UTF-8 text: {error}") from None
+    samples = [line.strip() for line in lines if line.strip()]
+    if not samples:
+        raise CommandError(f"calibration file {str(path)!r} has no text: expected one sample per line")
+    return samples[:max_samples]
+
+
+def _max_tokens(model: nn.Module, seq_len: int) -> int:
+    """``seq_len`` capped at the positions the model embeds (longer inputs would fail in it)."""
+    config = model.config
+    limits = [seq_len, getattr(config, "max_position_embeddings", None), getattr(config, "n_positions", None)]
+    return min(limit for limit in limits if isinstance(limit, int) and limit > 0)
+
+
+def calibration_batches(
+    samples: List[str], tokenizer, model: nn.Module, seq_len: int, batch_size: int
+) -> List[Dict[str, torch.Tensor]]:
+    """Tokenized batches for ``model(**batch)``: ``input_ids`` and ``attention_mask`` of up to
+    ``batch_size`` samples, each truncated to ``seq_len`` tokens (at most the model's
+    positions). Samples are grouped by length, so little padding enters the calibration
+    statistics; padding uses the tokenizer's pad token, else its end-of-text token, and the
+    tokenizer itself is left unchanged (it is saved as it was read)."""
+    max_tokens = _max_tokens(model, seq_len)
+    encoded = [tokenizer(text, truncation=True, max_length=max_tokens)["input_ids"] for text in samples]
+    encoded = sorted((ids for ids in encoded if ids), key=len)
+    if not encoded:
+        raise CommandError("the calibration text tokenizes to no tokens")
+    pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+    batches = []
+    for start in range(0, len(encoded), batch_size):
+        group = encoded[start:start + batch_size]
+        width = max(len(ids) for ids in group)
+        input_ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(group), width), dtype=torch.long)
+        for row, ids in enumerate(group):
+            input_ids[row, :len(ids)] = torch.tensor(ids)
+            attention_mask[row, :len(ids)] = 1
+        batches.append(dict(input_ids=input_ids, attention_mask=attention_mask))
+    return batches

@@ -1,0 +1,203 @@
+"""The ``compress`` command: convert a transformers checkpoint directory with
+:func:`panther_lite.convert`, calibrated on a text file, and save the result (model,
+tokenizer, report CSV and plot) into an output directory written all at once."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+import torch.nn as nn
+
+from ..benchmark.cli import DTYPES, positive_int
+from ..conversion import convert, save_pretrained
+from ..conversion.kinds import LINEAR_KINDS, kind_of
+from ..conversion.planning import ALLOCATIONS
+from ..nn.low_rank_fit import FIT_METHODS
+from .checkpoint import CommandError, calibration_batches, check_model_dir, load_checkpoint, read_samples
+from .report_plot import plot_conversion_report
+from .staging import check_output_dir, staged_directory
+
+__all__ = ["add_compress_command", "run_compress", "REPORT_CSV", "REPORT_PNG"]
+
+REPORT_CSV, REPORT_PNG = "report.csv", "report.png"
+_NO_BLOCKS = ("off", "none")
+
+
+def _ratio(text: str) -> float:
+    """``argparse`` type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def _alignment(text: str):
+    """``argparse`` type for ``--align``: "auto", "none" (no rounding) or a multiple >= 1."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'none' or an integer >= 1, got {text!r}") from None
+
+
+def add_compress_command(subparsers) -> None:
+    """Register ``compress`` and its options (they mirror :func:`panther_lite.convert`'s)."""
+    command = subparsers.add_parser(
+        "compress",
+        help="compress a transformers checkpoint directory",
+        description="Convert a transformers checkpoint with panther_lite.convert, calibrated on a text file, and "
+        "save the model, its tokenizer, report.csv and report.png into OUT_DIR (written all at once).",
+    )
+    command.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="a transformers save_pretrained directory")
+    command.add_argument("--output", "-o", type=Path, required=True, metavar="OUT_DIR",
+                         help="where to save; must not exist or be empty, unless --overwrite")
+    command.add_argument("--calibration", type=Path, required=True, metavar="TEXT_FILE",
+                         help="UTF-8 text, one calibration sample per line (blank lines skipped)")
+    command.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    command.add_argument("--quiet", "-q", action="store_true", help="no progress bars or step messages")
+    data = command.add_argument_group("calibration batches")
+    data.add_argument("--max-samples", type=positive_int, default=128, help="lines used (default 128)")
+    data.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sample at most (default 256)")
+    data.add_argument("--batch-size", type=positive_int, default=8, help="samples per batch (default 8)")
+    data.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                      help="dtype the model is loaded and converted in (default: the checkpoint's)")
+    sizes = command.add_argument_group("sizes and allocation (panther_lite.convert's arguments)")
+    sizes.add_argument("--param-ratio", type=_ratio, help="stored size as a fraction of dense, in (0, 1]")
+    sizes.add_argument("--num-terms", type=positive_int, help="L for every layer (default 1 with --param-ratio)")
+    sizes.add_argument("--low-rank", type=positive_int, help="k for every layer")
+    sizes.add_argument("--allocation", choices=ALLOCATIONS, default="uniform",
+                       help="uniform: --param-ratio per layer; global: one budget for all layers")
+    sizes.add_argument("--sequential", action="store_true",
+                       help="fit layers in model order to the original outputs from the compressed inputs")
+    sizes.add_argument("--fit", choices=FIT_METHODS, default="auto", help="the fits' decomposition")
+    sizes.add_argument("--align", type=_alignment, default="auto", help="low_rank rounding: auto, none or a multiple")
+    sizes.add_argument("--seed", type=int, help="seed of the randomized fits")
+    sizes.add_argument("--calibration-device", help="where calibration statistics live (e.g. cuda:0)")
+    sizes.add_argument("--blocks", metavar="auto|off|PATH",
+                       help="block-by-block conversion: auto-detect, off, or the dotted path of the block list "
+                            "(needs a panther_lite whose convert takes blocks)")
+    selection = command.add_argument_group("layer selection (PEFT's semantics; exclusion wins)")
+    targets = selection.add_mutually_exclusive_group()
+    targets.add_argument("--target-modules", action="append", metavar="NAME",
+                         help="a module name or dotted suffix, or all-linear; repeatable")
+    targets.add_argument("--target-regex", metavar="REGEX", help="a regex full-matched against module names")
+    excludes = selection.add_mutually_exclusive_group()
+    excludes.add_argument("--exclude-modules", action="append", metavar="NAME",
+                          help="a module name or dotted suffix; repeatable")
+    excludes.add_argument("--exclude-regex", metavar="REGEX", help="a regex full-matched against module names")
+    command.set_defaults(run=run_compress)
+
+
+def _selector(names: Optional[List[str]], regex: Optional[str]):
+    if regex is not None:
+        return regex
+    return "all-linear" if names == ["all-linear"] else names
+
+
+def convert_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of :func:`panther_lite.convert` the parsed options ask for."""
+    if args.param_ratio is None and args.low_rank is None:
+        raise CommandError("give the size: --param-ratio R, or --low-rank K (with --num-terms L)")
+    options = dict(
+        param_ratio=args.param_ratio, num_terms=args.num_terms, low_rank=args.low_rank,
+        allocation=args.allocation, sequential=args.sequential, fit=args.fit, align=args.align, seed=args.seed,
+        calibration_device=args.calibration_device, progress=not args.quiet,
+        target_modules=_selector(args.target_modules, args.target_regex),
+        exclude_modules=_selector(args.exclude_modules, args.exclude_regex),
+    )
+    if args.blocks is not None:
+        if "blocks" not in inspect.signature(convert).parameters:
+            raise CommandError("--blocks needs the block-by-block pipeline, which this panther_lite's convert lacks")
+        options["blocks"] = False if args.blocks.lower() in _NO_BLOCKS else args.blocks
+    return options
+
+
+@contextlib.contextmanager
+def _without_kv_cache(model: nn.Module) -> Iterator[None]:
+    """Calibration forwards keep no key/value cache; the saved config keeps its setting."""
+    config = getattr(model, "config", None)
+    previous = getattr(config, "use_cache", None)
+    if previous is not None:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if previous is not None:
+            config.use_cache = previous
+
+
+@contextlib.contextmanager
+def _transformers_bars(shown: bool) -> Iterator[None]:
+    """transformers' own progress bars (loading, saving) hidden unless ``shown``, then restored."""
+    from transformers.utils import logging as transformers_logging
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    if not shown:
+        transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()
+
+
+def _warn_if_few_tokens(model: nn.Module, tokens: int) -> None:
+    """Whitened fits see only the input directions the calibration tokens span: with fewer
+    tokens than a layer has inputs, its fit matches the calibration text and little else."""
+    widths = [(kind.weight_matrix(module).shape[1], name) for name, module in model.named_modules()
+              if (kind := kind_of(module)) in LINEAR_KINDS]
+    widest, name = max(widths, key=lambda width_name: width_name[0], default=(0, ""))  # the first widest
+    if tokens < widest:
+        print(f"warning: the calibration text has {tokens:,} tokens, fewer than the {widest:,} inputs of {name}: "
+              f"layers that wide are fitted to the calibration text alone; give several times {widest:,} tokens",
+              file=sys.stderr)
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    check_model_dir(args.model_dir)
+    output = Path(os.path.abspath(args.output))
+    if output == Path(os.path.abspath(args.model_dir)) or Path(os.path.abspath(args.model_dir)) in output.parents:
+        raise CommandError(f"OUT_DIR {str(args.output)!r} is MODEL_DIR or inside it: choose another directory")
+    check_output_dir(output, args.overwrite)
+
+
+def run_compress(args: argparse.Namespace) -> int:
+    """Run the command; returns the exit status. Bad input raises
+    :class:`~panther_lite.cli.checkpoint.CommandError` (or convert's ValueError / TypeError /
+    ConversionError) and leaves ``OUT_DIR`` as it was."""
+    started = time.perf_counter()
+    say = (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr, flush=True))
+    _check_paths(args)
+    samples = read_samples(args.calibration, args.max_samples)
+    options = convert_options(args)
+    with _transformers_bars(shown=not args.quiet), staged_directory(args.output, args.overwrite) as staging:
+        model, tokenizer, auto_class = load_checkpoint(args.model_dir, DTYPES.get(args.dtype))
+        batches = calibration_batches(samples, tokenizer, model, args.seq_len, args.batch_size)
+        tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
+        _warn_if_few_tokens(model, tokens)
+        say(f"loaded {type(model).__name__} ({auto_class.__name__}) from {args.model_dir}; calibrating on "
+            f"{len(samples)} samples ({tokens:,} tokens) in {len(batches)} batches")
+        with _without_kv_cache(model):
+            report = convert(model, calibration_data=batches, **options)
+        pipeline = f" ({report.attrs['pipeline']})" if "pipeline" in report.attrs else ""  # where convert reports it
+        say(f"converted in {time.perf_counter() - started:.1f} s{pipeline}; saving")
+        save_pretrained(model, staging)
+        tokenizer.save_pretrained(str(staging))
+        report.to_csv(staging / REPORT_CSV, index=False)
+        model_name = Path(os.path.abspath(args.model_dir)).name
+        plot_conversion_report(report, staging / REPORT_PNG, title=f"{model_name}: {report.attrs['summary']}")
+    print(report.attrs["summary"], flush=True)
+    say(f"wrote {args.output} in {time.perf_counter() - started:.1f} s; load it with "
+        f"panther_lite.from_pretrained({auto_class.__name__}, {str(args.output)!r})")
+    return 0

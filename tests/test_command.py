@@ -1,0 +1,316 @@
+"""``python -m panther_lite compress``: end to end on tiny transformers checkpoints saved to
+disk (GPT-2, LLaMA, BERT), the reloaded model against one converted in-process, and every
+kind of bad input ending in one message, a non-zero exit and nothing written."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+pytest.importorskip("safetensors")
+
+import panther_lite  # noqa: E402
+from panther_lite.cli import compress as compress_module  # noqa: E402
+from panther_lite.cli import main  # noqa: E402
+from panther_lite.cli.checkpoint import auto_class_for, calibration_batches, read_samples  # noqa: E402
+from panther_lite.nn import SKLinear  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "the a cat dog sat ran on under mat log red blue big small quick slow fox jumps over lazy".split()
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+HIDDEN, FFN, HEADS, POSITIONS = 32, 64, 4, 32
+RATIO_ARGS = ["--param-ratio", "0.5", "--fit", "exact", "--quiet"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a machine busier than its cores, OpenMP's spinning makes each
+    tiny LAPACK call of these fits take up to a second with two threads (well under 1 ms with one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(SPECIAL + WORDS)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+
+
+VOCAB = len(SPECIAL) + len(WORDS)
+MODELS = {
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=HEADS, n_positions=POSITIONS)),
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2, num_attention_heads=HEADS,
+        num_key_value_heads=2, max_position_embeddings=POSITIONS)),
+    "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
+        intermediate_size=FFN, max_position_embeddings=POSITIONS)),
+}
+AUTO_CLASSES = {"gpt2": "AutoModelForCausalLM", "llama": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM"}
+
+
+def _save_checkpoint(model: nn.Module, directory: Path) -> Path:
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # its bars would land in the next test's stderr
+    try:
+        model.save_pretrained(str(directory))
+    finally:
+        transformers_logging.enable_progress_bar()
+    _tokenizer().save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """``{name: directory}`` of tiny random-init models saved with a tokenizer."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    saved = {}
+    for name, build in MODELS.items():
+        torch.manual_seed(0)
+        saved[name] = _save_checkpoint(build().eval(), root / name)
+    return saved
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    generator = torch.Generator().manual_seed(0)
+    lines = []
+    for i in range(24):
+        picks = torch.randint(len(WORDS), (4 + i % 9,), generator=generator)
+        lines.append(" ".join(WORDS[j] for j in picks))
+        if i % 5 == 0:
+            lines.append("   ")  # blank lines are skipped
+    path = tmp_path_factory.mktemp("text") / "calibration.txt"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _argv(model_dir, text_file, output, *extra):
+    return ["compress", str(model_dir), "--calibration", str(text_file), "--output", str(output), *extra]
+
+
+def _leftovers(parent: Path, output: Path) -> list:
+    """Anything the command left beside OUT_DIR (staging directories, half-written files)."""
+    return sorted(path.name for path in parent.iterdir() if path.name != output.name)
+
+
+def _converted_in_process(model_dir: Path, text_file: Path, **options):
+    """The checkpoint converted by panther_lite.convert with the command's default batches."""
+    auto = getattr(transformers, AUTO_CLASSES[model_dir.name])
+    model = auto.from_pretrained(str(model_dir)).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    batches = calibration_batches(read_samples(text_file, 128), tokenizer, model, 256, 8)
+    report = panther_lite.convert(model, calibration_data=batches, progress=False, **options)
+    return model, batches, report
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_compress_writes_a_model_that_from_pretrained_reloads_as_convert_made_it(
+    name, checkpoints, text_file, tmp_path, capsys
+):
+    output = tmp_path / "out"
+    assert main(_argv(checkpoints[name], text_file, output, *RATIO_ARGS)) == 0
+    expected, batches, report = _converted_in_process(checkpoints[name], text_file, param_ratio=0.5, fit="exact")
+    assert capsys.readouterr().out.strip() == report.attrs["summary"]
+    assert {"config.json", "model.safetensors", "panther_lite_config.json", "tokenizer.json", "report.csv",
+            "report.png"} <= {path.name for path in output.iterdir()}
+    assert _leftovers(tmp_path, output) == []
+
+    reloaded = panther_lite.from_pretrained(getattr(transformers, AUTO_CLASSES[name]), output).eval()
+    sketched = sum(isinstance(module, SKLinear) for module in reloaded.modules())
+    assert sketched == (report["status"] == "converted").sum() > 0
+    with torch.no_grad():
+        for batch in batches:
+            torch.testing.assert_close(reloaded(**batch).logits, expected(**batch).logits, rtol=1e-5, atol=1e-5)
+    written = pd.read_csv(output / "report.csv")
+    assert list(written["name"]) == list(report["name"])
+    assert list(written["low_rank"].fillna(0)) == list(report["low_rank"].fillna(0))
+    assert transformers.AutoTokenizer.from_pretrained(str(output)).get_vocab() == _tokenizer().get_vocab()
+
+
+def test_python_dash_m_runs_global_sequential_and_replaces_with_overwrite(checkpoints, text_file, tmp_path):
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "stale.txt").write_text("from an earlier run")
+    argv = _argv(checkpoints["llama"], text_file, output, "--param-ratio", "0.5", "--allocation", "global",
+                 "--sequential", "--seed", "0", "--overwrite", "--max-samples", "12", "--seq-len", "8")
+    result = subprocess.run([sys.executable, "-m", "panther_lite", *argv], capture_output=True, text=True,
+                            cwd=ROOT, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith("converted ") and "Traceback" not in result.stderr
+    assert "from_pretrained(AutoModelForCausalLM" in result.stderr
+    assert not (output / "stale.txt").exists() and (output / "report.png").stat().st_size > 0
+    assert _leftovers(tmp_path, output) == []
+    reloaded = panther_lite.from_pretrained(transformers.AutoModelForCausalLM, output)
+    assert any(isinstance(module, SKLinear) for module in reloaded.modules())
+
+
+def _no_linear_checkpoint(directory: Path) -> Path:
+    """A registered transformers model made of an embedding alone."""
+
+    class NoLinearConfig(transformers.PreTrainedConfig):
+        model_type = "panther-lite-test-no-linear"
+
+    class NoLinearModel(transformers.PreTrainedModel):
+        config_class = NoLinearConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.embed = nn.Embedding(VOCAB, 4)
+            self.post_init()
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.embed(input_ids)
+
+    transformers.AutoConfig.register(NoLinearConfig.model_type, NoLinearConfig, exist_ok=True)
+    transformers.AutoModel.register(NoLinearConfig, NoLinearModel, exist_ok=True)
+    return _save_checkpoint(NoLinearModel(NoLinearConfig(vocab_size=VOCAB)), directory)
+
+
+def _bad_inputs(checkpoints, text_file, tmp_path):
+    """``{case: (argv, exit status, words the message must contain)}``."""
+    gpt2, out = checkpoints["gpt2"], tmp_path / "out"
+    not_a_model = tmp_path / "not_a_model"
+    not_a_model.mkdir()
+    no_tokenizer, no_weights = tmp_path / "no_tokenizer", tmp_path / "no_weights"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text((gpt2 / "config.json").read_text())
+    shutil.copytree(gpt2, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    empty_text = tmp_path / "empty.txt"
+    empty_text.write_text("\n  \n\n")
+    return {
+        "missing model dir": (_argv(tmp_path / "absent", text_file, out, *RATIO_ARGS), 1, "does not exist"),
+        "not a model dir": (_argv(not_a_model, text_file, out, *RATIO_ARGS), 1, "no config.json"),
+        "no tokenizer": (_argv(no_tokenizer, text_file, out, *RATIO_ARGS), 1, "no usable tokenizer"),
+        "no weights": (_argv(no_weights, text_file, out, *RATIO_ARGS), 1, "could not be loaded"),
+        "missing calibration": (_argv(gpt2, tmp_path / "absent.txt", out, *RATIO_ARGS), 1, "does not exist"),
+        "empty calibration": (_argv(gpt2, empty_text, out, *RATIO_ARGS), 1, "has no text"),
+        "unknown allocation": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--allocation", "best"), 2, "invalid choice"),
+        "ratio above one": (_argv(gpt2, text_file, out, "--param-ratio", "1.5"), 2, "(0, 1]"),
+        "ratio not a number": (_argv(gpt2, text_file, out, "--param-ratio", "half"), 2, "(0, 1]"),
+        "no size": (_argv(gpt2, text_file, out, "--quiet"), 1, "--param-ratio"),
+        "no linear layers": (
+            _argv(_no_linear_checkpoint(tmp_path / "no_linear"), text_file, out, *RATIO_ARGS), 1, "candidates are: none"
+        ),
+        "unmatched target": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--target-modules", "q_proj"), 1, "q_proj"),
+        "output inside model dir": (_argv(gpt2, text_file, gpt2 / "out", *RATIO_ARGS), 1, "MODEL_DIR"),
+    }
+
+
+CASES = [
+    "missing model dir", "not a model dir", "no tokenizer", "no weights", "missing calibration", "empty calibration",
+    "unknown allocation", "ratio above one", "ratio not a number", "no size", "no linear layers",
+    "unmatched target", "output inside model dir",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_ends_in_one_message_and_writes_nothing(case, checkpoints, text_file, tmp_path, capsys):
+    argv, status, words = _bad_inputs(checkpoints, text_file, tmp_path)[case]
+    before = sorted(path.name for path in tmp_path.iterdir())
+    assert main(argv) == status
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+    if status == 1:
+        assert len(err.strip().splitlines()) == 1 and err.startswith("python -m panther_lite compress: error: "), err
+    assert sorted(path.name for path in tmp_path.iterdir()) == before
+
+
+def test_non_empty_output_is_refused_without_overwrite(checkpoints, text_file, tmp_path, capsys):
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "keep.txt").write_text("mine")
+    assert main(_argv(checkpoints["gpt2"], text_file, output, *RATIO_ARGS)) == 1
+    assert "--overwrite" in capsys.readouterr().err
+    assert [path.name for path in output.iterdir()] == ["keep.txt"] and _leftovers(tmp_path, output) == []
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError])
+def test_failure_or_ctrl_c_while_saving_leaves_output_as_it_was(failure, checkpoints, text_file, tmp_path, capsys,
+                                                                 monkeypatch):
+    output = tmp_path / "new" / "out"
+
+    def fail(*args, **kwargs):
+        raise failure("stopped while saving")
+
+    monkeypatch.setattr(compress_module, "save_pretrained", fail)
+    status = main(_argv(checkpoints["gpt2"], text_file, output, *RATIO_ARGS))
+    assert status == (130 if failure is KeyboardInterrupt else 1)
+    assert "Traceback" not in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # neither OUT_DIR, nor its staging, nor the parent made for it
+
+
+def test_blocks_passes_through_only_to_a_convert_that_takes_it(text_file, tmp_path, checkpoints, monkeypatch, capsys):
+    received = {}
+
+    def convert_with_blocks(model, *, blocks="auto", **options):
+        received["blocks"] = blocks
+        raise ValueError("stop after the options")
+
+    def convert_without_blocks(model, **options):
+        raise AssertionError("must not be called")
+
+    argv = _argv(checkpoints["gpt2"], text_file, tmp_path / "out", *RATIO_ARGS, "--blocks", "transformer.h")
+    monkeypatch.setattr(compress_module, "convert", convert_with_blocks)
+    assert main(argv) == 1 and received == {"blocks": "transformer.h"}
+    assert main(argv[:-1] + ["off"]) == 1 and received == {"blocks": False}
+    monkeypatch.setattr(compress_module, "convert", convert_without_blocks)
+    capsys.readouterr()
+    assert main(argv) == 1 and "--blocks needs" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_calibration_batches_skip_blanks_truncate_pad_and_leave_the_tokenizer_alone(text_file, checkpoints):
+    samples = read_samples(text_file, max_samples=10)
+    assert len(samples) == 10 and all(samples)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoints["gpt2"]))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoints["gpt2"]))
+    batches = calibration_batches(samples, tokenizer, model, seq_len=6, batch_size=4)
+    assert [len(batch["input_ids"]) for batch in batches] == [4, 4, 2]
+    lengths = [min(len(text.split()), 6) for text in samples]
+    assert sorted(int(n) for batch in batches for n in batch["attention_mask"].sum(1)) == sorted(lengths)
+    for batch in batches:
+        real = batch["attention_mask"].bool()
+        assert batch["input_ids"].shape[1] <= 6 and (batch["input_ids"][~real] == tokenizer.pad_token_id).all()
+    assert tokenizer.pad_token_id == 0 and tokenizer.eos_token is None
+
+
+def test_auto_class_follows_the_saved_architecture():
+    gpt2 = transformers.GPT2Config(architectures=["GPT2LMHeadModel"])
+    assert auto_class_for(gpt2) is transformers.AutoModelForCausalLM
+    assert auto_class_for(transformers.BertConfig(architectures=["BertModel"])) is transformers.AutoModel
+    assert auto_class_for(transformers.BertConfig()) is transformers.AutoModel
+
+
+def test_fewer_calibration_tokens_than_a_layer_has_inputs_warns(checkpoints, text_file, tmp_path, monkeypatch, capsys):
+    def stop(model, **options):
+        raise ValueError("stop before converting")
+
+    monkeypatch.setattr(compress_module, "convert", stop)
+    few = ["--max-samples", "2", "--seq-len", "4"]
+    main(_argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS, *few))
+    assert "fewer than the 64 inputs of model.layers.0.mlp.down_proj" in capsys.readouterr().err
+    main(_argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS))
+    assert "warning" not in capsys.readouterr().err
