@@ -198,18 +198,22 @@ def plan_global(
     multiple_of: RankMultiple,
     grams: Dict[str, Optional[Tensor]],
     gains: Dict[str, float],
+    energies: Optional[Dict[str, Tensor]] = None,
 ) -> Dict[str, PlanNote]:
     """Size ``records`` together so their stored entries stay within ``ratio`` of their dense
     size, minimising the summed relative squared output error predicted from each layer's
     whitened spectrum (``grams[name]``, or the weight's own spectrum when None), each weighted
     by the layer's squared gain to the model's output (``gains[name]``, default 1; see
     :mod:`.sensitivity`); layers the budget is better spent keeping dense, or no sketch
-    beats, are kept dense."""
+    beats, are kept dense. ``energies[name]``, when given, is the layer's whitened spectrum
+    already computed (:func:`~panther_lite.conversion.allocation.whitened_energy`), its Gram freed."""
+    energies = {} if energies is None else energies
     budget = ratio * sum(record.dense_params for record in records)
     spectra = [
         LayerSpectrum(
             record.fan_in, record.fan_out, record.has_bias,
-            whitened_energy(record.weight_matrix(), grams.get(record.name)),
+            energies[record.name] if record.name in energies
+            else whitened_energy(record.weight_matrix(), grams.get(record.name)),
             importance=gains.get(record.name, 1.0), multiple=multiple_of(record),
         )
         for record in records
