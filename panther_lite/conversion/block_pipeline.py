@@ -15,7 +15,9 @@ now receives (:mod:`.sequential`).
 
 ``allocation="global"`` first makes one *spectra pass* over the dense blocks: each pooled
 layer's whitened spectrum (its Gram freed at once) and its gain measured at its block's output
-(:func:`~panther_lite.conversion.sensitivity.output_gains` with the block as the model), then
+(:func:`~panther_lite.conversion.sensitivity.output_gains` with the block as the model) times
+the block's gain to the model's output (one forward and backward of the first batch for all
+blocks, :func:`~panther_lite.conversion.sensitivity.block_output_gains`), then
 :func:`~panther_lite.conversion.planning.plan_global` sizes every pooled layer, then the fitting
 pass runs. Selected layers outside the blocks (``lm_head``, a pooler) are calibrated and fitted
 on the whole model afterwards, as without blocks (their gain measured at the model's output).
@@ -38,7 +40,7 @@ from .layer_fits import fit_planned
 from .layer_record import LayerRecord
 from .planning import PlanNote, SizeRequest, plan_global
 from .progress import progress_bar
-from .sensitivity import output_gains
+from .sensitivity import block_output_gains, output_gains
 from .surgery import SwapLog, swap_modules, undo_swaps
 
 
@@ -100,15 +102,17 @@ def plan_global_by_blocks(
     """:func:`plan_global` over ``pooled`` from one spectra pass over the dense blocks."""
     last = max((i for i in range(len(block_list.blocks)) if block_list.records_in(i, pooled)), default=-1)
     energies, gains = _plan_outside(model, [record for record in pooled if not block_list.inside(record)], options)
+    first = next(iter(options["calibration_data"]))
+    block_gains = block_output_gains(model, block_list.blocks[: last + 1], lambda module: run_batch(module, first))
     blocks = progress_bar(block_list.blocks[: last + 1], "measuring spectra", "block", options["progress"])
     for index, block in enumerate(blocks):
         here = block_list.records_in(index, pooled)
         with block_on(block, options["calibration_device"]):
             runner = BlockRunner(model, block, options["calibration_device"])
             if here:
-                block_energies, block_gains = _spectra_of_block(runner, here, calls, options)
+                block_energies, within = _spectra_of_block(runner, here, calls, options)
                 energies.update(block_energies)
-                gains.update(block_gains)
+                gains.update({name: gain * block_gains[index] for name, gain in within.items()})
             if index < last:
                 calls = run_block(runner, calls, _cache_device(options), block_list.prefix(index)[:-1])
     return plan_global(pooled, sizes.default, sizes.ratio_terms, multiple_of, {}, gains, energies)
