@@ -209,10 +209,6 @@ def block_on(block: nn.Module, device: Optional[torch.device]) -> Iterator[None]
         block.to(home)
 
 
-def _block_device_or(block: nn.Module, device: Optional[torch.device]) -> Optional[torch.device]:
-    return device if device is not None else _block_device(block)
-
-
 class BlockRunner(nn.Module):
     """The model seen through one block: the model's submodules keep their dotted names (so
     swaps and hooks by name apply to the model), but a forward runs only ``block`` on one
@@ -223,12 +219,13 @@ class BlockRunner(nn.Module):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
-        self.__dict__["block"] = block  # not a child: it is already reachable by its name
-        self.__dict__["device"] = _block_device_or(block, device)
+        # not a child (it is already reachable by its name); names no model child will have
+        self.__dict__["_running_block"] = block
+        self.__dict__["_running_device"] = device if device is not None else _block_device(block)
 
     def forward(self, args: tuple, kwargs: dict):
-        args, kwargs = move_call((args, kwargs), self.device)
-        return self.block(*args, **kwargs)
+        args, kwargs = move_call((args, kwargs), self._running_device)
+        return self._running_block(*args, **kwargs)
 
 
 def _output_hidden(output, expected: Tensor, where: str) -> Tensor:
