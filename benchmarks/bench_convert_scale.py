@@ -107,10 +107,10 @@ def main(argv=None) -> None:
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(part, rows[-1], flush=True)
-        df = pd.DataFrame(rows)
-        df["machine"] = device_name("cpu")
-        df["note"] = "2-core CPU shared with other engineers' jobs while measured"
-        df.to_csv(args.output_dir / f"convert_scale_{part}.csv", index=False)
+            df = pd.DataFrame(rows)  # written after every case: a long run leaves what it measured
+            df["machine"] = device_name("cpu")
+            df["note"] = "2-core CPU shared with other engineers' jobs while measured"
+            df.to_csv(args.output_dir / f"convert_scale_{part}.csv", index=False)
         _plot(df, part, args.output_dir / f"convert_scale_{part}.png")
 
 
