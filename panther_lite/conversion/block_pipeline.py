@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .allocation import whitened_energy
-from .blocks import BlockCall, BlockList, BlockRunner, block_on, find_blocks, hidden_states, run_block
+from .blocks import BlockCall, BlockList, BlockRunner, block_on, chain_problem, find_blocks, hidden_states, run_block
 from .calibration import collect_grams, reiterable, run_batch
 from .fitting import FitResult
 from .layer_fits import fit_planned
@@ -71,26 +71,14 @@ def _cache_device(options: dict) -> torch.device:
     return options["calibration_device"] or torch.device("cpu")
 
 
-def _spectra_of_block(runner: BlockRunner, pooled: List[LayerRecord], calls, options) -> Tuple[dict, dict]:
-    """``({name: whitened spectrum}, {name: squared gain at the block's output})``; each Gram
-    is freed as soon as its spectrum is taken."""
-    calibration = collect_grams(runner, pooled, calls, False, options["calibration_device"])
+def _spectra(model: nn.Module, pooled: List[LayerRecord], batches, options) -> Tuple[dict, dict]:
+    """``({name: whitened spectrum}, {name: squared gain at model's output})`` of ``pooled``
+    calibrated on ``batches``; each Gram is freed as soon as its spectrum is taken."""
+    calibration = collect_grams(model, pooled, batches, False, options["calibration_device"])
     energies = {}
     for record in pooled:
         recorder = calibration.recorders.get(record.name)
         energies[record.name] = whitened_energy(record.weight_matrix(), None if recorder is None else recorder.finite_gram())
-        calibration.release(record.name)
-    return energies, output_gains(runner, pooled, lambda module: run_batch(module, calls[0]))
-
-
-def _plan_outside(model, pooled: List[LayerRecord], options) -> Tuple[dict, dict]:
-    """Spectra and gains of pooled layers outside the blocks, on the whole (dense) model."""
-    if not pooled:
-        return {}, {}
-    calibration = collect_grams(model, pooled, options["calibration_data"], False, options["calibration_device"])
-    energies = {}
-    for record in pooled:
-        energies[record.name] = whitened_energy(record.weight_matrix(), calibration.recorders[record.name].finite_gram())
         calibration.release(record.name)
     return energies, output_gains(model, pooled, calibration.replay)
 
@@ -101,7 +89,8 @@ def plan_global_by_blocks(
 ) -> Dict[str, PlanNote]:
     """:func:`plan_global` over ``pooled`` from one spectra pass over the dense blocks."""
     last = max((i for i in range(len(block_list.blocks)) if block_list.records_in(i, pooled)), default=-1)
-    energies, gains = _plan_outside(model, [record for record in pooled if not block_list.inside(record)], options)
+    outside = [record for record in pooled if not block_list.inside(record)]
+    energies, gains = _spectra(model, outside, options["calibration_data"], options) if outside else ({}, {})
     first = next(iter(options["calibration_data"]))
     block_gains = block_output_gains(model, block_list.blocks[: last + 1], lambda module: run_batch(module, first))
     blocks = progress_bar(block_list.blocks[: last + 1], "measuring spectra", "block", options["progress"])
@@ -110,7 +99,7 @@ def plan_global_by_blocks(
         with block_on(block, options["calibration_device"]):
             runner = BlockRunner(model, block, options["calibration_device"])
             if here:
-                block_energies, within = _spectra_of_block(runner, here, calls, options)
+                block_energies, within = _spectra(runner, here, calls, options)
                 energies.update(block_energies)
                 gains.update({name: gain * block_gains[index] for name, gain in within.items()})
             if index < last:
@@ -199,4 +188,10 @@ def choose_blocks(model: nn.Module, records: List[LayerRecord], options: dict) -
             block_list, description = None, "no calibration data, so nothing runs block by block"
         elif not reiterable(data):
             block_list, description = None, "calibration_data is a callable or a one-shot iterator, not a list of batches"
+        else:
+            problem = chain_problem(model, block_list, next(iter(data)))
+            if problem is not None and options["blocks"] not in (None, "auto"):
+                raise ValueError(f"blocks={options['blocks']!r}: {problem}; pass blocks=False")
+            if problem is not None:
+                block_list, description = None, problem
     return block_list, ("block pipeline: " if block_list is not None else "whole model: ") + description

@@ -16,7 +16,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .calibration import evaluation_run, run_batch
 from .kinds import kind_of
@@ -159,6 +159,61 @@ def _without_cache(model: nn.Module) -> Iterator[None]:
     finally:
         if flag is not None:
             config.use_cache = flag
+
+
+def _other_arguments(call: BlockCall) -> list:
+    """The leaves of a call's arguments other than its hidden states (caches dropped)."""
+    args, kwargs = move_call(call, None)
+    rest = (args[1:], kwargs) if args else ((), {k: v for k, v in kwargs.items() if k != "hidden_states"})
+    return tree_flatten(rest)[0]
+
+
+def _same_leaves(first: list, other: list) -> bool:
+    if len(first) != len(other):
+        return False
+    for a, b in zip(first, other):
+        if isinstance(a, Tensor) or isinstance(b, Tensor):
+            if not (isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a, b)):
+                return False
+        elif a is not b and a != b:
+            return False
+    return True
+
+
+def chain_problem(model: nn.Module, block_list: BlockList, batch) -> Optional[str]:
+    """Run ``batch`` through the model once and say why the blocks do not form a chain (each
+    called once, in order, on the previous block's hidden states and the first block's other
+    arguments, as the pipeline replays them), or None when they do. T5's blocks, for one,
+    pass a position bias computed by the first block to the others."""
+    calls: List[Tuple[int, BlockCall]] = []
+    outputs: dict = {}
+
+    def pre_hook(index):
+        return lambda module, args, kwargs: calls.append((index, (args, kwargs)))
+
+    def post_hook(index):
+        return lambda module, args, kwargs, output: outputs.__setitem__(index, output)
+
+    handles = [block.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, block in enumerate(block_list.blocks)]
+    handles += [block.register_forward_hook(post_hook(i), with_kwargs=True) for i, block in enumerate(block_list.blocks)]
+    try:
+        with evaluation_run(model), _without_cache(model):
+            run_batch(model, batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if [index for index, _ in calls] != list(range(len(block_list.blocks))):
+        return f"the blocks at {block_list.path} are not each called once, in order"
+    first = _other_arguments(calls[0][1])
+    for index, call in calls[1:]:
+        previous = outputs[index - 1]
+        previous = previous if isinstance(previous, Tensor) else previous[0]
+        if hidden_states(call) is not previous or not _same_leaves(first, _other_arguments(call)):
+            return (
+                f"block {index} at {block_list.path} is not called on the previous block's hidden states with the "
+                "first block's other arguments"
+            )
+    return None
 
 
 def capture_inputs(model: nn.Module, block_list: BlockList, batches, cache_device, progress) -> List[BlockCall]:

@@ -76,6 +76,8 @@ def block_output_gains(model: nn.Module, blocks: List[nn.Module], run: ModelRun)
     output ``x_b`` (``n_b`` entries) moves ``y`` by ``ε‖x_b‖‖J_b‖_F/√n_b`` in expectation, so
     ``gain_b² = ‖x_b‖²‖J_bᵀu‖² / (n_b‖y‖²)``. Parameters get no gradients (the first block's
     input is made the graph's leaf); 1.0 for every block when the output does not move."""
+    if not blocks:
+        return []
     outputs: Dict[int, Tensor] = {}
 
     def leaf_input(module, args, kwargs):

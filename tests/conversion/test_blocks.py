@@ -159,3 +159,14 @@ def test_each_fitted_block_offers_its_calls_targets_and_predictions():
     with torch.no_grad():
         block_pipeline.convert_by_blocks(model, records, block_list, calls, options, after_fit)
     assert seen == list(range(LAYERS))
+
+
+def test_blocks_that_do_not_chain_fall_back_or_are_refused_by_path():
+    """T5's first block computes a position bias it passes to the others: not replayable."""
+    model, batches = _t5(), _batches(1)
+    batches[0]["decoder_input_ids"] = batches[0]["input_ids"][:, :4]
+    report = panther_lite.convert(copy.deepcopy(model), param_ratio=0.5, calibration_data=batches, progress=False)
+    assert report.attrs["pipeline"].startswith("whole model: block 1 at encoder.block is not called")
+    with pytest.raises(ValueError, match="blocks='decoder.block': block 1 at decoder.block is not called"):
+        panther_lite.convert(model, param_ratio=0.5, calibration_data=batches, progress=False, blocks="decoder.block")
+    assert not any(isinstance(module, SKLinear) for module in model.modules())
