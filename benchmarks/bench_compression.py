@@ -32,10 +32,8 @@ import itertools
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -45,6 +43,7 @@ import torch.nn as nn
 
 import panther_lite
 from panther_lite.benchmark import device_name, new_figure, save_figure
+from panther_lite.benchmark.memory import ResidentPeak
 from panther_lite.benchmark.tasks import accuracy, load_digits_split, mlp_classifier, train_classifier
 from panther_lite import tune
 
@@ -202,32 +201,6 @@ class _Block(nn.Module):
         return self.norm(x + self.down(torch.relu(self.up(x))))
 
 
-class _ResidentPeak:
-    """Samples this process's resident memory (``/proc/self/statm``) every millisecond in a
-    thread; ``peak`` is the largest seen (bytes)."""
-
-    def __init__(self) -> None:
-        self.peak, self._running = self.now(), True
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    @staticmethod
-    def now() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
-
-    def _sample(self) -> None:
-        while self._running:
-            self.peak = max(self.peak, self.now())
-            time.sleep(0.001)
-
-    def __enter__(self) -> "_ResidentPeak":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._running = False
-        self._thread.join()
-
-
 def _memory_case(mode: str, quick: bool) -> dict:
     """Peak resident memory above the loaded model (MiB) while converting the stack with
     calibration in ``mode``, in this process."""
@@ -242,8 +215,8 @@ def _memory_case(mode: str, quick: bool) -> dict:
         kwargs["sequential"] = True
     elif mode == "no sharing":
         kwargs["calibration_data"] = iter(batches)  # a one-shot iterator: no grouping pass, one Gram per layer
-    before = _ResidentPeak.now()
-    with _ResidentPeak() as memory:
+    before = ResidentPeak.now()
+    with ResidentPeak() as memory:
         report = panther_lite.convert(model, **kwargs)
     # float64 statistics alive at once: a Gram per layer (q, k, v, o, up: width², down: (4·width)²),
     # one for q/k/v together, or (sequential) the largest group's three matrices

@@ -1,8 +1,13 @@
-"""Memory: parameter counts and bytes, the activations autograd saves for backward, and
-the footprint of a training forward (the allocator's peak on CUDA)."""
+"""Memory: parameter counts and bytes, the activations autograd saves for backward, the
+footprint of a training forward (the allocator's peak on CUDA), and a process's peak resident
+memory sampled in a thread."""
 from __future__ import annotations
 
 import itertools
+import resource
+import threading
+import time
+from pathlib import Path
 from typing import Callable, Dict, Iterable, List
 
 import torch
@@ -91,3 +96,29 @@ def training_memory_bytes(module: nn.Module, *inputs: Tensor) -> int:
             module(*inputs)
 
     return parameter_bytes(module) + saved_activation_bytes(forward, tensors)
+
+
+class ResidentPeak:
+    """Context manager sampling this process's resident memory (``/proc/self/statm``, Linux)
+    every millisecond in a thread; ``peak`` is the largest seen (bytes), ``now()`` the current."""
+
+    def __init__(self) -> None:
+        self.peak, self._running = self.now(), True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+
+    def _sample(self) -> None:
+        while self._running:
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.001)
+
+    def __enter__(self) -> "ResidentPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._running = False
+        self._thread.join()

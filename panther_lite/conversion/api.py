@@ -9,7 +9,6 @@ buffers included. Every "stored" figure counts those buffers.
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -19,18 +18,22 @@ from ..nn.layer_base import INITS
 from ..nn.low_rank_fit import FIT_METHODS
 from ..nn.validation import check_choice, check_positive_int
 from ..sketch.random import check_seed
-from .calibration import Calibration, check_calibration_data, check_calibration_device, collect_grams, run_batch
-from .fitting import FitResult, check_finite_weights, fit_layer
+from .block_pipeline import choose_blocks, convert_by_blocks, plan_global_by_blocks
+from .blocks import BlockCall, BlockList, capture_inputs
+from .calibration import (
+    Calibration, check_calibration_data, check_calibration_device, collect_grams, reiterable, run_batch,
+)
+from .fitting import check_finite_weights
+from .layer_fits import fit_planned
 from .kinds import SKETCHED_TYPES, dense_kind_of
 from .layer_record import LayerRecord
 from .planning import (
     ALLOCATIONS, PlanNote, RankSpec, SizeRequest, parse_sizes, plan_global, plan_sizes, pooled_records, rank_multiple_for,
 )
-from .progress import progress_bar
 from .report import build_report
 from .selection import ModuleFilter, ModuleSelector, check_filter, check_selector, mark_unconvertible, select_layers
 from .sensitivity import output_gains
-from .sequential import check_sequential_data, fit_sequentially
+from .sequential import check_sequential_data
 from .speed import keep_slower_layers_dense
 from .surgery import SwapLog, restores_buffers_on_error, stored_numel, swap_modules, undo_swaps
 from .verification import check_converted_model_runs
@@ -39,40 +42,23 @@ if TYPE_CHECKING:
     import pandas as pd
 
 
-def _warn_uncalibrated(record: LayerRecord) -> None:
-    record.reason = "calibration data never reached this layer; fitted to the weight alone"
-    warnings.warn(
-        f"convert: calibration data never reached {record.name!r}; fitted to its weight alone", UserWarning, stacklevel=4
-    )
-
-
-def _fit_all(
-    todo: List[LayerRecord], init: str, calibration: Optional[Calibration], seed: Optional[int], progress, fit: str
-) -> Dict[str, FitResult]:
-    """Fit every planned layer (layer ``i`` of the plan draws its sketches from ``seed + i``),
-    releasing each Gram as soon as the last layer using it is fitted."""
-    fits = {}
-    for index, record in enumerate(progress_bar(todo, "converting", "layer", progress)):
-        recorder = None if calibration is None else calibration.recorders.get(record.name)
-        gram = None if recorder is None else recorder.finite_gram()
-        if recorder is not None and gram is None:
-            _warn_uncalibrated(record)
-        fits[record.name] = fit_layer(record, init, gram, None if seed is None else seed + index, fit)
-        if calibration is not None:
-            calibration.release(record.name)
-    return fits
-
-
 def _plan(
-    model: nn.Module, records: List[LayerRecord], sizes: SizeRequest, options: dict
+    model: nn.Module, records: List[LayerRecord], sizes: SizeRequest, options: dict,
+    block_list: Optional[BlockList] = None, calls: Optional[List[BlockCall]] = None,
 ) -> Tuple[Dict[str, PlanNote], Optional[Calibration]]:
     """Size the records (uniformly or from one global budget) and record the Grams the
-    non-sequential fits need; a global plan reads every pooled layer's spectrum first."""
+    non-sequential fits need; a global plan reads every pooled layer's spectrum first
+    (block by block from the first block's cached ``calls`` when a ``block_list`` is given;
+    the block pipeline records its Grams itself)."""
     multiple_of = rank_multiple_for(options["align"])
     pooled = pooled_records(records, sizes, options["allocation"])
     notes = plan_sizes(records, sizes, multiple_of, pooled={record.name for record in pooled})
     candidates = [record for record in records if record.to_convert]
     check_finite_weights(candidates)
+    if block_list is not None:
+        if pooled:
+            notes.update(plan_global_by_blocks(model, pooled, block_list, calls, sizes, multiple_of, options))
+        return notes, None
     data, sequential = options["calibration_data"], options["sequential"]
     calibration = None
     if data is not None and candidates and (pooled or not sequential):
@@ -87,20 +73,6 @@ def _plan(
             if sequential or not record.to_convert:
                 calibration.release(record.name)
     return notes, calibration
-
-
-def _fit(model, todo: List[LayerRecord], calibration: Optional[Calibration], options: dict) -> Dict[str, FitResult]:
-    if not options["sequential"]:
-        return _fit_all(todo, options["init"], calibration, options["seed"], options["progress"], options["fit"])
-    fits, unreached = fit_sequentially(
-        model, todo, options["calibration_data"], seed=options["seed"], device=options["calibration_device"],
-        progress=options["progress"], fit=options["fit"],
-    )
-    for record in unreached:
-        _warn_uncalibrated(record)
-        seed = None if options["seed"] is None else options["seed"] + todo.index(record)
-        fits[record.name] = fit_layer(record, "svd", None, seed, options["fit"])
-    return fits
 
 
 def _check_options(options: dict) -> None:
@@ -156,6 +128,7 @@ def convert(
     align: Union[None, str, int] = "auto",
     fit: str = "auto",
     runtime_rows: Optional[int] = None,
+    blocks: Union[None, bool, str] = "auto",
 ) -> "pd.DataFrame":
     """Replace linear and convolution layers of ``model`` with fitted sketched layers, in place.
 
@@ -210,6 +183,12 @@ def convert(
             output positions for convolutions). With it, a layer whose sketch a FLOP plus
             per-call-overhead model (:mod:`~panther_lite.conversion.speed`) predicts slower
             than dense at that size stays dense with the modelled times as the reason.
+        blocks: convert block by block (:mod:`~panther_lite.conversion.block_pipeline`):
+            ``"auto"`` (or None) finds the repeated block list (the longest ``nn.ModuleList``
+            of two or more same-class children holding a layer to convert: ``model.layers``,
+            ``transformer.h``, ``encoder.layer``, ...), a dotted path names it, False never.
+            It needs calibration data given as re-iterable batches; otherwise, or without a
+            block list, the whole model is calibrated at once. ``attrs["pipeline"]`` says which ran.
 
     Returns:
         A DataFrame, one row per selected layer (``REPORT_COLUMNS``): ``status``
@@ -253,14 +232,22 @@ def _convert(model: nn.Module, **options) -> Tuple["pd.DataFrame", SwapLog]:
 
     records = select_layers(model, options["target_modules"], options["exclude_modules"], options["filter_fn"])
     mark_unconvertible(model, records)
-    notes, calibration = _plan(model, records, sizes, options)
+    block_list, pipeline = choose_blocks(model, records, options)
+    calls = None
+    if block_list is not None:
+        cache_device = options["calibration_device"] or torch.device("cpu")
+        calls = capture_inputs(model, block_list, options["calibration_data"], cache_device, options["progress"])
+    notes, calibration = _plan(model, records, sizes, options, block_list, calls)
     keep_slower_layers_dense(records, options["runtime_rows"])
     todo = [record for record in records if record.to_convert]
 
     stored_before = stored_numel(model)
-    fits = _fit(model, todo, calibration, options)
+    if block_list is None:
+        fits = fit_planned(model, todo, calibration, options)
+        log = swap_modules(model, [(name, fit.module) for name, fit in fits.items()])
+    else:
+        fits, log = convert_by_blocks(model, todo, block_list, calls, options)
     new_modules = {name: fit.module for name, fit in fits.items()}
-    log = swap_modules(model, list(new_modules.items()))
     try:
         _check_runs(model, new_modules, options["example_inputs"], _replay(calibration, options))
     except BaseException:
@@ -268,15 +255,19 @@ def _convert(model: nn.Module, **options) -> Tuple["pd.DataFrame", SwapLog]:
         raise
     report = build_report(records, fits, stored_before, stored_numel(model))
     _add_plan_columns(report, notes, options)
+    report.attrs["pipeline"] = pipeline
     return report, log
 
 
 def _replay(calibration: Optional[Calibration], options: dict):
-    """What runs the converted model once: the calibration replay, or (sequential fits
-    record no Calibration) the first calibration batch."""
-    if calibration is not None or not options["sequential"]:
-        return None if calibration is None else calibration.replay
-    first = next(iter(options["calibration_data"]), None)
+    """What runs the converted model once: the calibration replay, or (sequential fits and
+    the block pipeline record no Calibration) the first calibration batch."""
+    if calibration is not None:
+        return calibration.replay
+    data = options["calibration_data"]
+    if data is None or not reiterable(data):
+        return None
+    first = next(iter(data), None)
     return None if first is None else (lambda model: run_batch(model, first))
 
 

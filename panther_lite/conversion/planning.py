@@ -200,6 +200,7 @@ def plan_global(
     multiple_of: RankMultiple,
     grams: Dict[str, Optional[Tensor]],
     gains: Dict[str, float],
+    energies: Optional[Dict[str, Tensor]] = None,
 ) -> Dict[str, PlanNote]:
     """Size ``records`` together so their stored entries stay within ``ratio`` of their dense
     size, minimising the summed relative squared output error predicted from each layer's
@@ -208,13 +209,17 @@ def plan_global(
     :mod:`.sensitivity`); layers the budget is better spent keeping dense, or no sketch
     beats, are kept dense. Gains that are not finite numbers >= 0 (a model whose output goes
     non-finite under the sensitivity probe) are dropped with a warning naming the layers:
-    the plan then weighs every layer alike (relative errors alone)."""
+    the plan then weighs every layer alike (relative errors alone). ``energies[name]``, when
+    given, is the layer's whitened spectrum already computed
+    (:func:`~panther_lite.conversion.allocation.whitened_energy`), its Gram freed."""
     gains = _usable_gains(gains)
+    energies = {} if energies is None else energies
     budget = ratio * sum(record.dense_params for record in records)
     spectra = [
         LayerSpectrum(
             record.fan_in, record.fan_out, record.has_bias,
-            whitened_energy(record.weight_matrix(), grams.get(record.name)),
+            energies[record.name] if record.name in energies
+            else whitened_energy(record.weight_matrix(), grams.get(record.name)),
             importance=gains.get(record.name, 1.0), multiple=multiple_of(record),
         )
         for record in records

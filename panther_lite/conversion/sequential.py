@@ -139,22 +139,24 @@ class _StopAfterGroup:
 
 
 def _record_group(
-    model: nn.Module, stats: _GroupStatistics, batches, fitted: Dict[str, nn.Module], calls: Dict[str, int]
+    model: nn.Module, stats: _GroupStatistics, batches, fitted: Dict[str, nn.Module], calls: Dict[str, int],
+    converted_batches=None,
 ) -> None:
-    """Run every batch through the original model, then through the partly converted one,
-    each run stopped once the group's layers are done."""
+    """Run every batch through the original model, then its paired converted batch (default:
+    the same) through the partly converted one, each run stopped once the group's layers are done."""
     stop = _StopAfterGroup(stats.group, calls)
     handles = [r.module.register_forward_pre_hook(stats.hook(r), with_kwargs=True) for r in stats.group]
     handles += [r.module.register_forward_hook(stop.hook(r)) for r in stats.group]
     try:
         with evaluation_run(model):
-            for index, batch in enumerate(batches):
+            paired = batches if converted_batches is None else converted_batches
+            for index, (batch, converted) in enumerate(zip(batches, paired)):
                 stats.phase = "original"
                 stop.run(model, batch, index)
                 stats.phase, stats.last_input = "converted", None
                 log = swap_modules(model, list(fitted.items()))
                 try:
-                    stop.run(model, batch, index)
+                    stop.run(model, converted, index)
                 finally:
                     undo_swaps(log)
                 stats.queue.clear()
@@ -195,7 +197,8 @@ def _fit_group(
     """Record one group's statistics, fit its layers into ``fits``, and free the statistics;
     a group whose members turn out not to share their inputs is fitted layer by layer."""
     stats = _GroupStatistics(group, options["device"])
-    _record_group(model, stats, batches, {name: fit.module for name, fit in fits.items()}, options["calls"])
+    fitted = {**options["prefitted"], **{name: fit.module for name, fit in fits.items()}}
+    _record_group(model, stats, batches, fitted, options["calls"], options["converted_batches"])
     if not stats.shared and len(group) > 1:
         del stats
         for record in group:
@@ -214,6 +217,8 @@ def fit_sequentially(
     device: Optional[torch.device] = None,
     progress: Optional[bool] = None,
     fit: str = "auto",
+    converted_batches=None,
+    prefitted: Optional[Dict[str, nn.Module]] = None,
 ) -> Tuple[Dict[str, FitResult], List[LayerRecord]]:
     """Fit ``records`` (sizes planned) group by group in model order; ``model`` is not
     changed (fitted layers are swapped in only while the next group records).
@@ -221,6 +226,10 @@ def fit_sequentially(
     Returns ``(fits by name, records the batches never reached)``; a layer's sketches use
     ``seed + its index in records``. Statistics live on ``device`` (None: the layer's);
     ``fit`` picks the decomposition as in :func:`~panther_lite.conversion.fitting.fit_layer`.
+    ``converted_batches`` (default: ``batches``) are what the partly converted model runs on,
+    paired with ``batches`` one to one: the inputs it receives where they differ from the
+    original model's (a block whose earlier blocks are already converted). ``prefitted``:
+    ``{name: module}`` fitted before (other layers), swapped in with the fits for those runs.
     """
     for first in batches:  # a None first batch is an error of group_layers, not "no batches"
         break
@@ -229,7 +238,7 @@ def fit_sequentially(
     order: CallOrder = group_layers(model, records, first)
     seeds = {record.name: None if seed is None else seed + i for i, record in enumerate(records)}
     fits: Dict[str, FitResult] = {}
-    options = dict(device=device, fit=fit, calls=order.calls)
+    options = dict(device=device, fit=fit, calls=order.calls, converted_batches=converted_batches, prefitted=prefitted or {})
     for group in progress_bar(order.groups, "fitting sequentially", "group", progress):
         _fit_group(model, group, batches, fits, seeds, options)
     return fits, order.unreached

@@ -1,0 +1,118 @@
+"""Time and memory of panther_lite.convert against depth and width of LLaMA-shaped models.
+
+Random-init ``transformers.LlamaForCausalLM`` models, calibrated on 4 batches of 2 × 256
+tokens, ``param_ratio=0.5`` over every linear layer (lm_head included), each case in a fresh
+process; memory added is the peak resident memory during ``convert`` minus the resident
+memory just before it (sampled every millisecond). One CSV per part (and one PNG) in
+``--output-dir``:
+
+``depth``      width 512 (FFN 1376, 8 heads), 2/4/8/16 layers: global + sequential and uniform
+``width``      width 2048 (FFN 5632, 32 heads / 4 kv heads), bf16, 2/8 layers: uniform and global + sequential
+``tinyllama``  the TinyLlama-1.1B shape (2048 × 22 layers, vocab 32000), bf16: global + sequential
+
+    python benchmarks/bench_convert_scale.py --part depth
+    python benchmarks/bench_convert_scale.py --part tinyllama --output-dir benchmarks/results/cpu
+    python benchmarks/bench_convert_scale.py --part depth --quick   # tiny sizes, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+import panther_lite
+from panther_lite.benchmark import device_name, new_figure, save_figure
+from panther_lite.benchmark.memory import ResidentPeak
+
+PARTS = ("depth", "width", "tinyllama")
+MODES = {"uniform": dict(), "global+sequential": dict(allocation="global", sequential=True)}
+
+
+def cases(part: str, quick: bool) -> list:
+    """``(layers, hidden, ffn, heads, kv_heads, vocab, dtype, mode)`` of each case of ``part``."""
+    if quick:
+        return [(layers, 64, 128, 4, 2, 256, "float32", mode) for layers in (2, 4) for mode in MODES]
+    if part == "depth":
+        return [(layers, 512, 1376, 8, 8, 32000, "float32", mode) for layers in (2, 4, 8, 16) for mode in MODES]
+    if part == "width":
+        return [(layers, 2048, 5632, 32, 4, 32000, "bfloat16", mode) for layers in (2, 8) for mode in MODES]
+    return [(22, 2048, 5632, 32, 4, 32000, "bfloat16", "global+sequential")]
+
+
+def run_case(case: list, tokens: int) -> dict:
+    """Build the model, convert it with calibration, measure (in this process)."""
+    import transformers
+
+    layers, hidden, ffn, heads, kv_heads, vocab, dtype, mode = case
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max(tokens, 256),
+    )
+    model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    parameters = sum(p.numel() for p in model.parameters())
+    generator = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(0, vocab, (2, tokens), generator=generator)} for _ in range(4)]
+    before = ResidentPeak.now()
+    start = time.perf_counter()
+    with ResidentPeak() as memory:
+        report = panther_lite.convert(model, param_ratio=0.5, calibration_data=batches, progress=False, **MODES[mode])
+    seconds = time.perf_counter() - start
+    return dict(
+        layers=layers, hidden=hidden, ffn=ffn, dtype=dtype, mode=mode, parameters=parameters,
+        model_gb=model_bytes / 1e9, seconds=seconds, added_gb=(memory.peak - before) / 1e9,
+        converted=int((report["status"] == "converted").sum()), pipeline=report.attrs["pipeline"],
+        mean_output_error=float(report["output_error"].mean()),
+    )
+
+
+def _plot(df: pd.DataFrame, part: str, path: Path) -> None:
+    fig = new_figure(figsize=(11, 4))
+    seconds_ax, memory_ax = fig.subplots(1, 2)
+    for mode, rows in df.groupby("mode"):
+        seconds_ax.plot(rows["layers"], rows["seconds"], "o-", label=mode)
+        memory_ax.plot(rows["layers"], rows["added_gb"], "o-", label=mode)
+    memory_ax.plot(df["layers"], df["model_gb"], "k--", label="model size")
+    seconds_ax.set(xlabel="layers", ylabel="convert time (s)", title=f"{part}: time")
+    memory_ax.set(xlabel="layers", ylabel="GB", title=f"{part}: memory added during convert")
+    for ax in (seconds_ax, memory_ax):
+        ax.legend(fontsize=8)
+    fig.suptitle(f"panther_lite.convert at scale — {df['machine'].iloc[0]}, shared and loaded by other work", fontsize=9)
+    save_figure(fig, path)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=PARTS, nargs="+", default=["depth"])
+    parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/out"))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (for the tests)")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case (JSON) in this process
+    args = parser.parse_args(argv)
+    tokens = 16 if args.quick else 256
+    if args.case:
+        print(json.dumps(run_case(json.loads(args.case), tokens)))
+        return
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    for part in args.part:
+        rows = []
+        for case in cases(part, args.quick):
+            command = [sys.executable, __file__, "--case", json.dumps(case)] + (["--quick"] if args.quick else [])
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(part, rows[-1], flush=True)
+            df = pd.DataFrame(rows)  # written after every case: a long run leaves what it measured
+            df["machine"] = device_name("cpu")
+            df["note"] = "2-core CPU shared with other engineers' jobs while measured"
+            df.to_csv(args.output_dir / f"convert_scale_{part}.csv", index=False)
+        _plot(df, part, args.output_dir / f"convert_scale_{part}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The block-by-block pipeline: block discovery on transformers models and by path, the same
+fits as whole-model calibration where the statistics are the same, sequential and global runs,
+atomic rollback, the refinement hook, and the fallback said in the report."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+transformers = pytest.importorskip("transformers")
+
+import panther_lite  # noqa: E402
+from panther_lite.conversion import block_pipeline  # noqa: E402
+from panther_lite.conversion.blocks import capture_inputs, find_blocks  # noqa: E402
+from panther_lite.conversion.selection import select_layers  # noqa: E402
+from panther_lite.nn import SKLinear  # noqa: E402
+
+VOCAB, HIDDEN, FFN, HEADS, LAYERS = 64, 32, 64, 4, 3
+
+
+def _llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=16,
+    )
+    return transformers.LlamaForCausalLM(config).double().eval()
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=16)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _bert() -> nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN,
+    )
+    return transformers.BertForMaskedLM(config)
+
+
+def _t5() -> nn.Module:
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=FFN, num_layers=LAYERS, num_decoder_layers=2, num_heads=HEADS,
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _batches(count: int = 3):
+    generator = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(0, VOCAB, (2, 12), generator=generator)} for _ in range(count)]
+
+
+def _found(model: nn.Module, blocks="auto"):
+    return find_blocks(model, select_layers(model, None, None, None), blocks)
+
+
+@pytest.mark.parametrize(
+    "build, path",
+    [(_llama, "model.layers"), (_gpt2, "transformer.h"), (_bert, "bert.encoder.layer"), (_t5, "encoder.block")],
+    ids=["llama", "gpt2", "bert", "t5"],
+)
+def test_finds_the_repeated_block_list(build, path):
+    block_list, description = _found(build())
+    assert block_list.path == path and len(block_list.blocks) == LAYERS
+    assert description == f"{LAYERS} blocks at {path}"
+
+
+def test_a_named_block_list_is_used_and_a_bad_one_is_a_clear_error():
+    model = _t5()
+    assert _found(model, "decoder.block")[0].path == "decoder.block"
+    with pytest.raises(ValueError, match="'decoder.nope'.*no submodule"):
+        _found(model, "decoder.nope")
+    with pytest.raises(ValueError, match="'lm_head' is a Linear; expected a non-empty nn.ModuleList"):
+        _found(model, "lm_head")
+    with pytest.raises(TypeError, match="blocks must be"):
+        _found(model, 3)
+
+
+def test_a_model_without_a_block_list_falls_back_and_says_so():
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    report = panther_lite.convert(mlp, param_ratio=0.5, calibration_data=[torch.randn(4, 8)], progress=False)
+    assert report.attrs["pipeline"].startswith("whole model: no list of two or more same-class blocks")
+    report = panther_lite.convert(_llama(), param_ratio=0.5, progress=False)
+    assert report.attrs["pipeline"] == "whole model: no calibration data, so nothing runs block by block"
+
+
+@pytest.mark.parametrize("sequential", [False, True], ids=["calibrated", "sequential"])
+def test_block_pipeline_gives_the_whole_model_fits(sequential):
+    """Block inputs are the tensors a whole-model forward feeds the blocks, so the fits (and
+    the converted model's logits) are the same, lm_head included."""
+    dense, batches = _llama(), _batches()
+    by_blocks, whole = copy.deepcopy(dense), copy.deepcopy(dense)
+    options = dict(param_ratio=0.5, calibration_data=batches, progress=False, sequential=sequential)
+    report = panther_lite.convert(by_blocks, **options)
+    reference = panther_lite.convert(whole, blocks=False, **options)
+    assert report.attrs["pipeline"] == "block pipeline: 3 blocks at model.layers"
+    assert reference.attrs["pipeline"] == "whole model: blocks=False"
+    assert report["low_rank"].equals(reference["low_rank"])
+    assert report["output_error"].tolist() == pytest.approx(reference["output_error"].tolist(), rel=1e-9, nan_ok=True)
+    ids = batches[0]["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(by_blocks(ids).logits, whole(ids).logits, rtol=1e-9, atol=1e-12)
+
+
+def test_global_sequential_runs_with_finite_errors_and_keeps_the_cache_setting():
+    model = _llama()
+    report = panther_lite.convert(
+        model, param_ratio=0.5, calibration_data=_batches(), progress=False, allocation="global", sequential=True
+    )
+    converted = report[report["status"] == "converted"]
+    assert len(converted) > 0 and converted["output_error"].map(lambda e: 0 <= e < 1).all()
+    assert report.attrs["pipeline"].startswith("block pipeline")
+    assert set(converted["init"]) == {"sequential"}
+    assert model.config.use_cache is True
+    assert report["stored_params"].sum() <= 0.5 * report["dense_params"].sum()
+
+
+def test_a_failure_in_a_later_block_undoes_every_swap(monkeypatch):
+    model = _llama()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    real, calls = block_pipeline.fit_planned, []
+
+    def fail_on_second_block(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("fit failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(block_pipeline, "fit_planned", fail_on_second_block)
+    with pytest.raises(RuntimeError, match="fit failed"):
+        panther_lite.convert(model, param_ratio=0.5, calibration_data=_batches(), progress=False)
+    assert not any(isinstance(module, SKLinear) for module in model.modules())
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_each_fitted_block_offers_its_calls_targets_and_predictions():
+    model, batches = _llama(), _batches(2)
+    records = select_layers(model, None, None, None)
+    block_list, _ = find_blocks(model, records, "auto")
+    for record in records:
+        record.num_terms, record.low_rank = 1, 4
+    calls = capture_inputs(model, block_list, batches, torch.device("cpu"), False)
+    seen = []
+
+    def after_fit(fitted):
+        assert isinstance(fitted.block.self_attn.q_proj, SKLinear)
+        seen.append(fitted.index)
+        for index, target in enumerate(fitted.targets):
+            assert fitted.predict(index).shape == target.shape == (2, 12, HIDDEN)
+
+    options = dict(
+        sequential=False, init="svd", seed=None, fit="auto", progress=False, calibration_device=None,
+        calibration_data=batches,
+    )
+    with torch.no_grad():
+        block_pipeline.convert_by_blocks(model, records, block_list, calls, options, after_fit)
+    assert seen == list(range(LAYERS))
+
+
+def test_blocks_that_do_not_chain_fall_back_or_are_refused_by_path():
+    """T5's first block computes a position bias it passes to the others: not replayable."""
+    model, batches = _t5(), _batches(1)
+    batches[0]["decoder_input_ids"] = batches[0]["input_ids"][:, :4]
+    report = panther_lite.convert(copy.deepcopy(model), param_ratio=0.5, calibration_data=batches, progress=False)
+    assert report.attrs["pipeline"].startswith("whole model: block 1 at encoder.block is not called")
+    with pytest.raises(ValueError, match="blocks='decoder.block': block 1 at decoder.block is not called"):
+        panther_lite.convert(model, param_ratio=0.5, calibration_data=batches, progress=False, blocks="decoder.block")
+    assert not any(isinstance(module, SKLinear) for module in model.modules())
