@@ -31,6 +31,7 @@ from .report import build_report
 from .selection import ModuleFilter, ModuleSelector, check_filter, check_selector, mark_unconvertible, select_layers
 from .sensitivity import output_gains
 from .sequential import check_sequential_data, fit_sequentially
+from .shrinkage import note_few_rows, shrinkage_intensity
 from .speed import keep_slower_layers_dense
 from .surgery import SwapLog, stored_numel, swap_modules, undo_swaps
 from .verification import check_converted_model_runs
@@ -57,7 +58,10 @@ def _fit_all(
         gram = None if recorder is None else recorder.finite_gram()
         if recorder is not None and gram is None:
             _warn_uncalibrated(record)
-        fits[record.name] = fit_layer(record, init, gram, None if seed is None else seed + index, fit)
+        fit_gram = None if gram is None else recorder.fit_gram()
+        if fit_gram is not None:
+            note_few_rows(record, recorder.moments, shrinkage_intensity(gram, recorder.moments))
+        fits[record.name] = fit_layer(record, init, gram, None if seed is None else seed + index, fit, fit_gram)
         if calibration is not None:
             calibration.release(record.name)
     return fits
@@ -78,7 +82,7 @@ def _plan(
     if data is not None and candidates and (pooled or not sequential):
         calibration = collect_grams(model, candidates, data, options["progress"], options["calibration_device"])
     if pooled:
-        grams = {r.name: None if calibration is None else calibration.recorders[r.name].finite_gram() for r in pooled}
+        grams = {r.name: None if calibration is None else calibration.recorders[r.name].fit_gram() for r in pooled}
         replay = None if calibration is None else calibration.replay
         gains = {} if replay is None else output_gains(model, pooled, replay)
         notes.update(plan_global(pooled, sizes.default, sizes.ratio_terms, multiple_of, grams, gains))
@@ -195,8 +199,9 @@ def convert(
             :mod:`~panther_lite.conversion.allocation`) and weighted, with calibration data, by
             the layer's measured gain to the model's output (:mod:`~panther_lite.conversion.sensitivity`);
             a layer no sketch beats, or whose budget buys more elsewhere, stays dense with the reason.
-        sequential: with ``calibration_data`` given as a list of batches or a DataLoader,
-            fit the layers in model order on the partly converted model, each to reproduce
+        sequential: with ``calibration_data`` given as a list of batches, a DataLoader or a
+            deterministic callable (run again, layer calls paired by order), fit the layers
+            in model order on the partly converted model, each to reproduce
             the original layer's outputs from the inputs it now receives (reduced-rank
             regression, :mod:`~panther_lite.conversion.sequential`): one group of layers'
             statistics alive at a time; the batches run twice per group.
@@ -272,6 +277,8 @@ def _replay(calibration: Optional[Calibration], options: dict):
     record no Calibration) the first calibration batch."""
     if calibration is not None or not options["sequential"]:
         return None if calibration is None else calibration.replay
+    if callable(options["calibration_data"]):
+        return options["calibration_data"]
     first = next(iter(options["calibration_data"]), None)
     return None if first is None else (lambda model: run_batch(model, first))
 
