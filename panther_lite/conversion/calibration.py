@@ -27,7 +27,7 @@ from ..nn.validation import check_finite
 from .kinds import LINEAR_KINDS
 from .layer_record import LayerRecord
 from .progress import progress_bar
-from .shrinkage import RowMoments, shrink, shrinkage_intensity
+from .shrinkage import RowMoments, cluster_size, shrink, shrinkage_intensity
 
 # Per-chunk bound on the unfolded patches of a convolution's input (entries), so the
 # Gram of a large feature map is accumulated in slices of the batch.
@@ -147,20 +147,20 @@ class GramRecorder:
         self.moments = RowMoments()  # beside the Gram, for its shrinkage
         self.last_input: Optional[Tensor] = None  # what the group's other layers must receive
 
-    def _add(self, rows: Tensor) -> None:
+    def _add(self, rows: Tensor, rows_per_cluster: int = 1) -> None:
         rows = rows.detach().to(torch.float64)
         if rows.device == self.gram.device:
             self.gram.addmm_(rows.t(), rows)
         else:  # the product runs where the activations are; only its result is moved
             self.gram.add_((rows.t() @ rows).to(self.gram.device))
-        self.moments.add(rows)
+        self.moments.add(rows, rows_per_cluster)
         self.rows += rows.shape[0]
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = checked_input(self.record, module, args, kwargs)
         self.last_input = x
         if self.record.kind in LINEAR_KINDS:
-            self._add(x.reshape(-1, x.shape[-1]))
+            self._add(x.reshape(-1, x.shape[-1]), cluster_size(x))
             return
         spatial = len(module.kernel_size)
         if x.dim() == spatial + 1:  # unbatched

@@ -44,7 +44,7 @@ from .fitting import FitResult, match_trainability
 from .kinds import LINEAR_KINDS
 from .layer_record import LayerRecord
 from .progress import progress_bar
-from .shrinkage import RowMoments, note_few_rows, shrink, shrinkage_intensity
+from .shrinkage import RowMoments, cluster_size, note_few_rows, shrink, shrinkage_intensity
 from .surgery import swap_modules, undo_swaps
 
 RIDGE = 1e-4
@@ -118,7 +118,7 @@ class _GroupStatistics:
             self.current.add_((current.t() @ current).to(target))
             self.cross.add_((current.t() @ original).to(target))
             self.original.add_((original.t() @ original).to(target))
-            self.moments.add(current)
+            self.moments.add(current, cluster_size(x) if record.kind in LINEAR_KINDS else 1)
             self.rows += current.shape[0]
 
         return pre_hook

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 import panther_lite
-from panther_lite.conversion.shrinkage import RowMoments, shrink, shrinkage_intensity
+from panther_lite.conversion.shrinkage import RowMoments, cluster_size, shrink, shrinkage_intensity
 
 
 def correlated_rows(rows, width=32, seed=0):
@@ -37,6 +37,32 @@ def test_intensity_matches_the_ledoit_wolf_formula_and_batching_does_not_matter(
     assert moments.rows == 200
     assert alpha == pytest.approx(reference_intensity(x), rel=1e-10)
     assert alpha == pytest.approx(intensity_of(x)[0], rel=1e-12)
+
+
+def test_clustered_rows_use_the_cluster_robust_variance():
+    x = correlated_rows(120)
+    clusters = x.reshape(12, 10, 32)
+    moments = RowMoments()
+    for chunk in clusters.split(5):
+        moments.add(chunk.reshape(-1, 32), cluster_size=10)
+    assert (moments.rows, moments.cluster_rows_squared) == (120, 12 * 100)
+    # Σ_c ‖offdiag(G_c − n_c S)‖² / n² over Σ_{j≠k} S_jk², straight from the clusters' Grams
+    n, sample = 120, x.t() @ x / 120
+    off = ~torch.eye(32, dtype=torch.bool)
+    variance = sum(((c.t() @ c - 10 * sample)[off]).square().sum() for c in clusters) / n**2
+    expected = float((variance / sample[off].square().sum()).clamp(0, 1))
+    assert shrinkage_intensity(x.t() @ x, moments) == pytest.approx(expected, rel=1e-10)
+    # identical rows within a cluster carry one row's information: more shrinkage than as single rows
+    repeated = correlated_rows(12).repeat_interleave(10, dim=0)
+    single, clustered = RowMoments(), RowMoments()
+    single.add(repeated)
+    clustered.add(repeated, cluster_size=10)
+    gram = repeated.t() @ repeated
+    assert shrinkage_intensity(gram, clustered) > 2 * shrinkage_intensity(gram, single)
+
+
+def test_a_sequence_is_one_cluster():
+    assert cluster_size(torch.zeros(4, 7, 16)) == 7 and cluster_size(torch.zeros(4, 16)) == 1
 
 
 def test_intensity_falls_as_rows_accumulate():
