@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -70,15 +70,17 @@ class _Split:
         return rows[self.first_held_row :] if held else rows[: self.first_held_row]
 
 
-def _check_arguments(parameters, predict, targets, max_steps, lr, holdout, patience) -> Tuple[List[nn.Parameter], int, int]:
+def _check_arguments(parameters, predict, targets, lr, holdout) -> List[nn.Parameter]:
+    """The parameters as a list; TypeError / ValueError naming the bad argument."""
     parameters = list(parameters)
     if not parameters:
-        raise ValueError("refine_block: parameters is empty; pass the trainable factors (S1/S2) of the block's sketched layers")
+        raise ValueError("refine_block: parameters is empty; pass the trainable factors (S1/S2) of the block's layers")
     for index, parameter in enumerate(parameters):
         if not isinstance(parameter, Tensor) or not parameter.is_floating_point():
-            raise TypeError(f"refine_block: parameters[{index}] must be a floating-point nn.Parameter, got {type(parameter).__name__}")
+            kind = type(parameter).__name__
+            raise TypeError(f"refine_block: parameters[{index}] must be a floating-point nn.Parameter, got {kind}")
         if not parameter.is_leaf:
-            raise ValueError(f"refine_block: parameters[{index}] is not a leaf tensor; pass the block's nn.Parameter objects")
+            raise ValueError(f"refine_block: parameters[{index}] is not a leaf tensor; pass the block's nn.Parameters")
     if not callable(predict):
         raise TypeError(f"refine_block: predict must be a callable predict(i) -> Tensor, got {type(predict).__name__}")
     if len(targets) == 0:
@@ -89,8 +91,10 @@ def _check_arguments(parameters, predict, targets, max_steps, lr, holdout, patie
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"refine_block: lr must be a positive finite number, got {lr!r}")
     if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 < holdout < 1:
-        raise ValueError(f"refine_block: holdout must be a fraction in (0, 1) of the calls (or rows) held back, got {holdout!r}")
-    return parameters, check_positive_int("max_steps", max_steps), check_positive_int("patience", patience)
+        raise ValueError(
+            f"refine_block: holdout must be a fraction in (0, 1) of the calls (or rows) held back, got {holdout!r}"
+        )
+    return parameters
 
 
 def _prediction(predict: Callable[[int], Tensor], index: int, target: Tensor) -> Tensor:
@@ -170,7 +174,8 @@ def refine_block(
         TypeError / ValueError naming the argument; ValueError when ``predict(i)`` does not
         return a tensor shaped like ``targets[i]`` (nothing is changed then).
     """
-    parameters, max_steps, patience = _check_arguments(parameters, predict, targets, max_steps, lr, holdout, patience)
+    parameters = _check_arguments(parameters, predict, targets, lr, holdout)
+    max_steps, patience = check_positive_int("max_steps", max_steps), check_positive_int("patience", patience)
     first_target = targets[0]
     rows = first_target.reshape(-1, first_target.shape[-1]).shape[0] if first_target.dim() > 0 else 1
     split = _Split(len(targets), float(holdout), rows)

@@ -8,8 +8,8 @@ regression. With ``G̃ = X̃ᵀX̃`` and the cross statistic ``C = X̃ᵀX``, th
 ``T`` solves ``(G̃_α + λI) Tᵀ = (C_α + λI) Wᵀ``, where ``G̃_α``, ``C_α`` have their
 off-diagonal entries shrunk by the Ledoit–Wolf ``α`` of ``X̃``'s rows (:mod:`.shrinkage`; at
 ``α = 1`` each input is regressed on its own) and a small ridge ``λ`` = :data:`RIDGE` · mean
-diag ``G̃`` pulls ``T`` towards ``W`` where the inputs never reach; and ``‖X̃ Ŵᵀ − X Wᵀ‖² = ‖X̃ (Ŵ − T)ᵀ‖² + const``, so the best ``Ŵ`` is the
-activation-aware fit of ``T`` whitened by ``G̃`` (``G̃_α`` as for the layers' own fit).
+diag ``G̃`` pulls ``T`` towards ``W`` where the inputs never reach; and
+``‖X̃ Ŵᵀ − X Wᵀ‖² = ‖X̃ (Ŵ − T)ᵀ‖² + const``, so the best ``Ŵ`` is the activation-aware fit of ``T`` whitened by ``G̃`` (``G̃_α`` as for the layers' own fit).
 The upstream error is corrected instead of ignored (``T = W`` when ``X̃ = X``).
 
 Calibration data is a list of batches or a DataLoader (each batch runs through the original

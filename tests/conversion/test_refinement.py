@@ -51,7 +51,8 @@ def setup(count=8):
 
 def held_error(block, inputs, targets):
     with torch.no_grad():
-        return float(sum((block(x) - t).square().sum() for x, t in zip(inputs, targets)).sqrt() / sum(t.square().sum() for t in targets).sqrt())
+        squared = sum((block(x) - t).square().sum() for x, t in zip(inputs, targets))
+        return float((squared / sum(t.square().sum() for t in targets)).sqrt())
 
 
 def test_refinement_lowers_the_error_on_held_back_and_fresh_calls():

@@ -92,7 +92,8 @@ def test_the_report_says_when_a_layer_saw_fewer_rows_than_inputs(sequential):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 16, dtype=torch.float64), nn.Tanh(), nn.Linear(16, 8, dtype=torch.float64))
     x = correlated_rows(40, width=64)  # 40 rows: fewer than the first layer's 64 inputs, more than the second's 16
-    report = panther_lite.convert(model, param_ratio=0.5, calibration_data=[x[:20], x[20:]], sequential=sequential, progress=False)
+    data = [x[:20], x[20:]]
+    report = panther_lite.convert(model, param_ratio=0.5, calibration_data=data, sequential=sequential, progress=False)
     assert list(report["status"]) == ["converted", "converted"]
     assert report.loc[0, "reason"].startswith("calibrated on 40 rows, fewer than its 64 inputs: correlations shrunk by")
     assert not report.loc[1, "reason"]
