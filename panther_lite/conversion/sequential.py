@@ -8,7 +8,7 @@ regression. With ``G̃ = X̃ᵀX̃`` and the cross statistic ``C = X̃ᵀX``, th
 ``T`` solves ``(G̃_α + λI) Tᵀ = (C_α + λI) Wᵀ``, where ``G̃_α``, ``C_α`` have their
 off-diagonal entries shrunk by the Ledoit–Wolf ``α`` of ``X̃``'s rows (:mod:`.shrinkage`; at
 ``α = 1`` each input is regressed on its own) and a small ridge ``λ`` = :data:`RIDGE` · mean
-diag ``G̃`` pulls ``T`` towards ``W`` where the inputs never reach; and
+diag ``G̃`` pulls ``T`` towards ``W`` where the inputs barely reach; and
 ``‖X̃ Ŵᵀ − X Wᵀ‖² = ‖X̃ (Ŵ − T)ᵀ‖² + const``, so the best ``Ŵ`` is the activation-aware fit of ``T`` whitened by ``G̃`` (``G̃_α`` as for the layers' own fit).
 The upstream error is corrected instead of ignored (``T = W`` when ``X̃ = X``).
 
@@ -47,10 +47,11 @@ from .progress import progress_bar
 from .shrinkage import RowMoments, cluster_size, note_few_rows, shrink, shrinkage_intensity
 from .surgery import swap_modules, undo_swaps
 
-RIDGE = 1e-4
+RIDGE = 1e-2
 """Ridge of the regression, relative to the mean diagonal of ``G̃``: it pulls ``T`` towards
-``W`` (not towards 0) in directions the calibration inputs never reach, and leaves ``T = W``
-exactly when ``X̃ = X``; the overfitting of few rows is the shrinkage's to prevent."""
+``W`` (not towards 0) where the calibration inputs barely reach, and leaves ``T = W`` exactly
+when ``X̃ = X``. The shrinkage does not replace it: on MiniLM calibrated on 54 sentences a
+ridge of 1e-4 instead lost 0.03 of cosine out of domain."""
 
 
 def check_sequential_data(calibration_data) -> None:
