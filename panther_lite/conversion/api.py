@@ -64,7 +64,7 @@ def _plan(
     if data is not None and candidates and (pooled or not sequential):
         calibration = collect_grams(model, candidates, data, options["progress"], options["calibration_device"])
     if pooled:
-        grams = {r.name: None if calibration is None else calibration.recorders[r.name].finite_gram() for r in pooled}
+        grams = {r.name: None if calibration is None else calibration.recorders[r.name].fit_gram() for r in pooled}
         replay = None if calibration is None else calibration.replay
         gains = {} if replay is None else output_gains(model, pooled, replay)
         notes.update(plan_global(pooled, sizes.default, sizes.ratio_terms, multiple_of, grams, gains))
@@ -168,8 +168,9 @@ def convert(
             :mod:`~panther_lite.conversion.allocation`) and weighted, with calibration data, by
             the layer's measured gain to the model's output (:mod:`~panther_lite.conversion.sensitivity`);
             a layer no sketch beats, or whose budget buys more elsewhere, stays dense with the reason.
-        sequential: with ``calibration_data`` given as a list of batches or a DataLoader,
-            fit the layers in model order on the partly converted model, each to reproduce
+        sequential: with ``calibration_data`` given as a list of batches, a DataLoader or a
+            deterministic callable (run again, layer calls paired by order), fit the layers
+            in model order on the partly converted model, each to reproduce
             the original layer's outputs from the inputs it now receives (reduced-rank
             regression, :mod:`~panther_lite.conversion.sequential`): one group of layers'
             statistics alive at a time; the batches run twice per group.
@@ -261,10 +262,13 @@ def _convert(model: nn.Module, **options) -> Tuple["pd.DataFrame", SwapLog]:
 
 def _replay(calibration: Optional[Calibration], options: dict):
     """What runs the converted model once: the calibration replay, or (sequential fits and
-    the block pipeline record no Calibration) the first calibration batch."""
+    the block pipeline record no Calibration) the first calibration batch; a callable
+    calibration ``fn`` is run again."""
     if calibration is not None:
         return calibration.replay
     data = options["calibration_data"]
+    if callable(data):
+        return data
     if data is None or not reiterable(data):
         return None
     first = next(iter(data), None)

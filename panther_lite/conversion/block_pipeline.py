@@ -78,7 +78,7 @@ def _spectra(model: nn.Module, pooled: List[LayerRecord], batches, options) -> T
     energies = {}
     for record in pooled:
         recorder = calibration.recorders.get(record.name)
-        energies[record.name] = whitened_energy(record.weight_matrix(), None if recorder is None else recorder.finite_gram())
+        energies[record.name] = whitened_energy(record.weight_matrix(), None if recorder is None else recorder.fit_gram())
         calibration.release(record.name)
     return energies, output_gains(model, pooled, calibration.replay)
 

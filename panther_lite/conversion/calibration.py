@@ -27,6 +27,7 @@ from ..nn.validation import check_finite
 from .kinds import LINEAR_KINDS
 from .layer_record import LayerRecord
 from .progress import progress_bar
+from .shrinkage import RowMoments, cluster_size, shrink, shrinkage_intensity
 
 # Per-chunk bound on the unfolded patches of a convolution's input (entries), so the
 # Gram of a large feature map is accumulated in slices of the batch.
@@ -84,6 +85,11 @@ def run_batch(model: nn.Module, batch, index: Optional[int] = None) -> object:
         f"calibration batches must be a Tensor (model(b)), a tuple/list (model(*b)) or a dict (model(**b)), "
         f"got {type(batch).__name__}"
     )
+
+
+def run_batch_or_callable(model: nn.Module, batch_or_fn, index: Optional[int] = None) -> object:
+    """``fn(model)`` for a callable calibration ``fn``, else :func:`run_batch`."""
+    return batch_or_fn(model) if callable(batch_or_fn) else run_batch(model, batch_or_fn, index)
 
 
 @contextlib.contextmanager
@@ -152,21 +158,23 @@ class GramRecorder:
         device = record.module.weight.device if device is None else device
         self.gram = torch.zeros(record.fan_in, record.fan_in, dtype=torch.float64, device=device)
         self.rows = 0
+        self.moments = RowMoments()  # beside the Gram, for its shrinkage
         self.last_input: Optional[Tensor] = None  # what the group's other layers must receive
 
-    def _add(self, rows: Tensor) -> None:
+    def _add(self, rows: Tensor, rows_per_cluster: int = 1) -> None:
         rows = rows.detach().to(torch.float64)
         if rows.device == self.gram.device:
             self.gram.addmm_(rows.t(), rows)
         else:  # the product runs where the activations are; only its result is moved
             self.gram.add_((rows.t() @ rows).to(self.gram.device))
+        self.moments.add(rows, rows_per_cluster)
         self.rows += rows.shape[0]
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = checked_input(self.record, module, args, kwargs)
         self.last_input = x
         if self.record.kind in LINEAR_KINDS:
-            self._add(x.reshape(-1, x.shape[-1]))
+            self._add(x.reshape(-1, x.shape[-1]), cluster_size(x))
             return
         spatial = len(module.kernel_size)
         if x.dim() == spatial + 1:  # unbatched
@@ -182,6 +190,12 @@ class GramRecorder:
             return None
         check_finite("the Gram XᵀX of its calibration inputs", self.gram, layer=self.record.name)
         return self.gram
+
+    def fit_gram(self) -> Optional[Tensor]:
+        """The Gram the fit whitens by: :meth:`finite_gram` shrunk towards its diagonal as
+        far as its rows warrant (:mod:`.shrinkage`); None when no batch reached the layer."""
+        gram = self.finite_gram()
+        return None if gram is None else shrink(gram, shrinkage_intensity(gram, self.moments))
 
 
 class _SameInput:
@@ -222,7 +236,7 @@ class CallOrder:
 
 
 def group_layers(model: nn.Module, records: List[LayerRecord], batch) -> CallOrder:
-    """Run ``batch`` once and group the records: a linear record first called with the very
+    """Run ``batch`` (or a callable ``fn(model)``) once and group the records: a linear record first called with the very
     tensor the previous call received joins that call's group (convolutions unfold their
     inputs each their own way, so stay alone). Only the latest input is held."""
     groups: List[List[LayerRecord]] = []
@@ -246,7 +260,7 @@ def group_layers(model: nn.Module, records: List[LayerRecord], batch) -> CallOrd
     handles = [r.module.register_forward_pre_hook(hook_for(r), with_kwargs=True) for r in records]
     try:
         with evaluation_run(model):
-            run_batch(model, batch, 0)
+            run_batch_or_callable(model, batch, 0)
     finally:
         for handle in handles:
             handle.remove()

@@ -56,13 +56,22 @@ def match_trainability(new: nn.Module, old: nn.Module) -> None:
 
 
 def fit_layer(
-    record: LayerRecord, init: str, gram: Optional[Tensor], seed: Optional[int], fit: str = "auto"
+    record: LayerRecord,
+    init: str,
+    gram: Optional[Tensor],
+    seed: Optional[int],
+    fit: str = "auto",
+    fit_gram: Optional[Tensor] = None,
 ) -> FitResult:
     """The sketched layer of ``record``'s planned size. ``init="svd"`` with a ``gram`` fits
-    the outputs on the calibration data (``"calibrated"`` in the report); the Gram then
-    only feeds ``output_error`` for ``init="sketch"``. ``fit`` picks the decomposition
-    (``"auto"``, ``"exact"`` or ``"randomized"``, see :mod:`panther_lite.nn.low_rank_fit`)."""
-    fit_gram = gram if init == "svd" else None
+    the outputs on the calibration data (``"calibrated"`` in the report), whitened by
+    ``fit_gram`` when given (a regularised ``gram``, :mod:`.shrinkage`); ``output_error`` is
+    measured on ``gram`` itself, which is all it feeds for ``init="sketch"``. ``fit`` picks
+    the decomposition (``"auto"``, ``"exact"`` or ``"randomized"``, see
+    :mod:`panther_lite.nn.low_rank_fit`)."""
+    if fit_gram is None:
+        fit_gram = gram
+    fit_gram = fit_gram if init == "svd" and gram is not None else None
     new = record.kind.build(
         record.module, record.num_terms, record.low_rank, init=init, seed=seed, gram=fit_gram, fit=fit
     )

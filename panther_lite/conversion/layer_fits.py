@@ -13,6 +13,7 @@ from .fitting import FitResult, fit_layer
 from .layer_record import LayerRecord
 from .progress import progress_bar
 from .sequential import fit_sequentially
+from .shrinkage import note_few_rows, shrinkage_intensity
 
 
 def warn_uncalibrated(record: LayerRecord) -> None:
@@ -33,7 +34,10 @@ def fit_all(
         gram = None if recorder is None else recorder.finite_gram()
         if recorder is not None and gram is None:
             warn_uncalibrated(record)
-        fits[record.name] = fit_layer(record, init, gram, None if seed is None else seed + index, fit)
+        fit_gram = None if gram is None else recorder.fit_gram()
+        if fit_gram is not None:
+            note_few_rows(record, recorder.moments, shrinkage_intensity(gram, recorder.moments))
+        fits[record.name] = fit_layer(record, init, gram, None if seed is None else seed + index, fit, fit_gram)
         if calibration is not None:
             calibration.release(record.name)
     return fits

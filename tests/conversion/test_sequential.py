@@ -9,6 +9,7 @@ import torch.nn as nn
 
 import panther_lite
 from panther_lite.conversion import sequential
+from panther_lite.conversion.shrinkage import RowMoments, shrink, shrinkage_intensity
 from panther_lite.nn import SKLinear
 
 
@@ -69,11 +70,17 @@ def test_each_layer_solves_the_reduced_rank_regression_on_its_current_inputs():
     assert list(report["init"]) == ["sequential", "sequential"]
     with torch.no_grad():
         current_hidden = torch.tanh(model[0](x))
-    # reduced-rank (ridge towards W) regression of dense_hidden @ W2ᵀ on current_hidden, rank 2Lk = 4
+    # reduced-rank regression of dense_hidden @ W2ᵀ on current_hidden, rank 2Lk = 4, with the
+    # off-diagonal statistics shrunk by the rows' Ledoit–Wolf intensity and a ridge towards W
     w = original[1]
-    gram = current_hidden.t() @ current_hidden
-    ridge = sequential.RIDGE * gram.diagonal().mean() * torch.eye(10, dtype=torch.float64)
-    least_squares = torch.linalg.solve(gram + ridge, (current_hidden.t() @ dense_hidden + ridge) @ w.t()).t()
+    moments = RowMoments()
+    moments.add(current_hidden)
+    raw_gram = current_hidden.t() @ current_hidden
+    alpha = shrinkage_intensity(raw_gram, moments)
+    assert 0 < alpha < 1
+    gram, cross = (shrink(m, alpha) for m in (raw_gram, current_hidden.t() @ dense_hidden))
+    ridge = sequential.RIDGE * raw_gram.diagonal().mean() * torch.eye(10, dtype=torch.float64)
+    least_squares = torch.linalg.solve(gram + ridge, (cross + ridge) @ w.t()).t()
     eigvals, eigvecs = torch.linalg.eigh(gram)
     root = (eigvecs * eigvals.clamp_min(0).sqrt()) @ eigvecs.t()
     basis = torch.linalg.svd(least_squares @ root).U[:, :4]
@@ -127,15 +134,34 @@ def test_group_layers_orders_by_first_call_and_groups_identical_inputs():
     assert order.unreached == [] and set(order.calls.values()) == {1}
 
 
-@pytest.mark.parametrize(
-    "data,error",
-    [(None, ValueError), (lambda m: m(torch.zeros(1, 48)), TypeError), (iter([torch.zeros(1, 48)]), TypeError)],
-)
+@pytest.mark.parametrize("data,error", [(None, ValueError), (iter([torch.zeros(1, 48)]), TypeError)])
 def test_sequential_needs_reiterable_batches(data, error):
     model = deep_mlp(depth=1)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(error, match="calibration_data"):
         panther_lite.convert(model, param_ratio=0.3, calibration_data=data, sequential=True, progress=False)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_a_deterministic_callable_fits_like_its_batches():
+    x = inputs()
+    batches = list(x.split(256))
+    fitted = {}
+    for name, data in {"batches": batches, "callable": lambda m: [m(b) for b in batches]}.items():
+        model = deep_mlp(depth=3)
+        report = panther_lite.convert(model, param_ratio=0.3, calibration_data=data, sequential=True, progress=False)
+        assert list(report["init"]) == ["sequential"] * 3
+        with torch.no_grad():
+            fitted[name] = model(x)
+    torch.testing.assert_close(fitted["callable"], fitted["batches"], rtol=1e-10, atol=1e-12)
+
+
+def test_a_callable_that_changes_between_runs_is_refused():
+    model = deep_mlp(depth=2)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    sampling = lambda m: m(torch.randn(64, 48, dtype=torch.float64))  # noqa: E731 (new rows on every run)
+    with pytest.raises(ValueError, match="different inputs although nothing before it was converted"):
+        panther_lite.convert(model, param_ratio=0.3, calibration_data=sampling, sequential=True, progress=False)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 

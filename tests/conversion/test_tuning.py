@@ -52,12 +52,14 @@ def test_bisection_finds_the_threshold_within_the_resolution_in_few_trials(thres
 def test_tune_converts_at_the_smallest_passing_budget_and_keeps_the_trace():
     model, x, reference = model_and_data()
     evaluate = closeness(x, reference)
-    report = tune(model, evaluate, tolerance=0.1, calibration_data=[x], progress=False)
+    # an untrained network leaves compression little room: 15% (the shrunk Gram does not
+    # overfit the calibration rows this score is measured on)
+    report = tune(model, evaluate, tolerance=0.15, calibration_data=[x], progress=False)
     trace = report.attrs["search"]
     chosen = report.attrs["tune_budget"]
     assert list(trace.columns) == ["budget", "score", "stored_params", "stored_ratio", "seconds", "passed"]
     assert trace.iloc[0]["budget"] == 1.0 and trace.iloc[0]["passed"]
-    assert evaluate(model) >= 1.0 - 0.1 - 1e-9
+    assert evaluate(model) >= 1.0 - 0.15 - 1e-9
     assert isinstance(model[0], SKLinear) or isinstance(model[2], SKLinear)
     failing = trace[~trace["passed"]]["budget"]
     assert chosen < 1.0 and (failing >= chosen / 1.03 ** 2).any()
