@@ -44,7 +44,7 @@ from panther_lite.benchmark.deploy import DEPLOY_COLUMNS, deploy_rows, deployabl
 from panther_lite.benchmark.tasks import accuracy, load_digits_split, mlp_classifier, train_classifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_compression import _load_minilm, _sentences  # noqa: E402  (the MiniLM loader and sentences)
+from bench_compression import _docstring_sentences, _load_minilm  # noqa: E402  (the MiniLM loader and sentences)
 
 PARTS = ("digits", "minilm")
 COLUMNS = ["machine", "threads", "model", "metric", *DEPLOY_COLUMNS]
@@ -102,7 +102,7 @@ class SentenceEmbedder(nn.Module):
 
 def minilm_task(quick: bool) -> Task:
     model = _load_minilm()
-    sentences = _sentences(32 if quick else 256)
+    sentences = _docstring_sentences(32 if quick else 256)
     half = len(sentences) // 2
     tokenizer = model.tokenizer
 

@@ -178,7 +178,7 @@ def _record_group(
     """Run every batch through the original model, then its paired converted batch (default:
     the same) through the partly converted one, each run stopped once the group's layers are done."""
     stop = _StopAfterGroup(stats.group, calls)
-    stats.nothing_upstream = not fitted
+    stats.nothing_upstream = not fitted and converted_batches is None
     handles = [r.module.register_forward_pre_hook(stats.hook(r), with_kwargs=True) for r in stats.group]
     handles += [r.module.register_forward_hook(stop.hook(r)) for r in stats.group]
     try:
