@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..benchmark.cli import DTYPES, positive_int
 from ..conversion import convert, save_pretrained
+from ..conversion.blocks import without_kv_cache
 from ..conversion.kinds import LINEAR_KINDS, kind_of
 from ..conversion.planning import ALLOCATIONS
 from ..nn.low_rank_fit import FIT_METHODS
@@ -124,20 +125,6 @@ def convert_options(args: argparse.Namespace) -> dict:
 
 
 @contextlib.contextmanager
-def _without_kv_cache(model: nn.Module) -> Iterator[None]:
-    """Calibration forwards keep no key/value cache; the saved config keeps its setting."""
-    config = getattr(model, "config", None)
-    previous = getattr(config, "use_cache", None)
-    if previous is not None:
-        config.use_cache = False
-    try:
-        yield
-    finally:
-        if previous is not None:
-            config.use_cache = previous
-
-
-@contextlib.contextmanager
 def _transformers_bars(shown: bool) -> Iterator[None]:
     """transformers' own progress bars (loading, saving) hidden unless ``shown``, then restored."""
     from transformers.utils import logging as transformers_logging
@@ -188,7 +175,7 @@ def run_compress(args: argparse.Namespace) -> int:
         _warn_if_few_tokens(model, tokens)
         say(f"loaded {type(model).__name__} ({auto_class.__name__}) from {args.model_dir}; calibrating on "
             f"{len(samples)} samples ({tokens:,} tokens) in {len(batches)} batches")
-        with _without_kv_cache(model):
+        with without_kv_cache(model):
             report = convert(model, calibration_data=batches, **options)
         pipeline = f" ({report.attrs['pipeline']})" if "pipeline" in report.attrs else ""  # where convert reports it
         say(f"converted in {time.perf_counter() - started:.1f} s{pipeline}; saving")

@@ -148,7 +148,7 @@ class _Captured(Exception):
 
 
 @contextlib.contextmanager
-def _without_cache(model: nn.Module) -> Iterator[None]:
+def without_kv_cache(model: nn.Module) -> Iterator[None]:
     """A transformers model's ``config.use_cache`` off for the duration (no key/value cache)."""
     config = getattr(model, "config", None)
     flag = getattr(config, "use_cache", None)
@@ -197,7 +197,7 @@ def chain_problem(model: nn.Module, block_list: BlockList, batch) -> Optional[st
     handles = [block.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, block in enumerate(block_list.blocks)]
     handles += [block.register_forward_hook(post_hook(i), with_kwargs=True) for i, block in enumerate(block_list.blocks)]
     try:
-        with evaluation_run(model), _without_cache(model):
+        with evaluation_run(model), without_kv_cache(model):
             run_batch(model, batch)
     finally:
         for handle in handles:
@@ -229,7 +229,7 @@ def capture_inputs(model: nn.Module, block_list: BlockList, batches, cache_devic
 
     handle = block_list.blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
     try:
-        with evaluation_run(model), _without_cache(model):
+        with evaluation_run(model), without_kv_cache(model):
             for index, batch in enumerate(progress_bar(batches, "capturing block inputs", "batch", progress)):
                 try:
                     run_batch(model, batch)

@@ -39,12 +39,11 @@ import torch.nn as nn
 
 from .quantized import warn_if_quantized_beside
 from .serialization import apply_conversion_config, conversion_config
+from .weight_files import WEIGHTS_NAME, load_weights_file, read_weights
 
 __all__ = ["save_pretrained", "from_pretrained", "PRETRAINED_CONFIG_NAME"]
 
 PRETRAINED_CONFIG_NAME = "panther_lite_config.json"
-WEIGHTS_NAME = "model.safetensors"
-_SHARD_INDEX_NAME = "model.safetensors.index.json"
 _FORMAT = "panther_lite.pretrained"
 _VERSION = 1
 # the key under which each saved Hugging Face config.json records its own conversion
@@ -290,32 +289,6 @@ def _check_sketched_keys_loaded(conversion: Mapping, missing_keys, directory: Pa
         raise ValueError(f"{str(directory)!r} lacks the weights of sketched layers: {', '.join(missing[:5])}")
 
 
-def _load_weights_file(path: Path) -> Dict[str, torch.Tensor]:
-    """The tensors of one safetensors file; ValueError naming the file when it is truncated,
-    corrupt or not a safetensors file at all."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
-        message = f"{str(path)!r} is not a readable safetensors file (truncated or corrupt?): {error}"
-        raise ValueError(message) from error
-
-
-def _read_weights(directory: Path) -> Dict[str, torch.Tensor]:
-    """The tensors of a transformers-style weights file, or of all its shards."""
-    if (directory / WEIGHTS_NAME).is_file():
-        return _load_weights_file(directory / WEIGHTS_NAME)
-    index = directory / _SHARD_INDEX_NAME
-    if not index.is_file():
-        raise FileNotFoundError(f"{str(directory)!r} has neither {WEIGHTS_NAME} nor {_SHARD_INDEX_NAME}")
-    tensors: Dict[str, torch.Tensor] = {}
-    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        tensors.update(_load_weights_file(directory / shard))
-    return tensors
-
-
 @contextlib.contextmanager
 def _transformers_load_report_silenced() -> Iterator[None]:
     """Hide transformers' load report while sentence-transformers loads the dense layout: it
@@ -336,7 +309,7 @@ def _load_sketched_layers(sub: nn.Module, relative: Mapping, directory: Path) ->
     apply_conversion_config(sub, relative)
     sub.config.__dict__.pop(HF_CONFIG_KEY, None)
     names = {entry["name"] for entry in relative["layers"]}
-    weights = _read_weights(Path(sub.name_or_path))
+    weights = read_weights(Path(sub.name_or_path))
     sketched = {key: value for key, value in weights.items() if _in_layers(key, names)}
     sub.load_state_dict(sketched, strict=False)
     state = sub.state_dict(keep_vars=True)
@@ -421,7 +394,7 @@ def _load_state_dict_file(factory: Callable[..., nn.Module], directory: Path, co
     if not isinstance(model, nn.Module):
         raise TypeError(f"the factory must return an nn.Module, got {type(model).__name__}")
     apply_conversion_config(model, conversion)
-    state = _load_weights_file(path)
+    state = load_weights_file(path)
     try:
         _assign_state_dict(model, state)
     except RuntimeError as error:  # load_state_dict's missing/unexpected keys or size mismatches
