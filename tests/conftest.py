@@ -23,6 +23,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of many tiny fits: on a machine busier than its cores,
+    OpenMP's spinning makes each tiny LAPACK call take up to a second with two threads (well
+    under 1 ms with one). Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def repo_root() -> Path:
     """The checkout's root directory (scripts, tutorials and docs live under it)."""

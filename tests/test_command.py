@@ -33,14 +33,7 @@ HIDDEN, FFN, HEADS, POSITIONS = 32, 64, 4, 32
 RATIO_ARGS = ["--param-ratio", "0.5", "--fit", "exact", "--quiet"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a machine busier than its cores, OpenMP's spinning makes each
-    tiny LAPACK call of these fits take up to a second with two threads (well under 1 ms with one)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tokenizer():
@@ -167,6 +160,18 @@ def test_python_dash_m_runs_global_sequential_and_replaces_with_overwrite(checkp
     assert any(isinstance(module, SKLinear) for module in reloaded.modules())
 
 
+def test_refine_writes_each_blocks_errors_beside_the_model(checkpoints, text_file, tmp_path, capsys):
+    output = tmp_path / "out"
+    argv = _argv(checkpoints["llama"], text_file, output, "--param-ratio", "0.5", "--refine", "--refine-steps", "3")
+    assert main(argv) == 0
+    assert "refined 2 blocks: mean held-back block output error" in capsys.readouterr().err
+    rows = pd.read_csv(output / "refinement.csv")
+    assert list(rows["name"]) == ["model.layers.0", "model.layers.1"]
+    assert (rows["error_after"] <= rows["error_before"]).all() and (rows["steps"] <= 3).all()
+    reloaded = panther_lite.from_pretrained(transformers.AutoModelForCausalLM, output)
+    assert any(isinstance(module, SKLinear) for module in reloaded.modules())
+
+
 def _no_linear_checkpoint(directory: Path) -> Path:
     """A registered transformers model made of an embedding alone."""
 
@@ -216,13 +221,19 @@ def _bad_inputs(checkpoints, text_file, tmp_path):
         ),
         "unmatched target": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--target-modules", "q_proj"), 1, "q_proj"),
         "output inside model dir": (_argv(gpt2, text_file, gpt2 / "out", *RATIO_ARGS), 1, "MODEL_DIR"),
+        "refine settings without refine": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--refine-steps", "5"), 1, "add --refine"),
+        "refine lr not positive": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--refine", "--refine-lr", "-1"), 2,
+                                   "positive number"),
+        "refine without blocks": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--refine", "--blocks", "off"), 1,
+                                  "refine refines block by block"),
     }
 
 
 CASES = [
     "missing model dir", "not a model dir", "no tokenizer", "no weights", "missing calibration", "empty calibration",
     "unknown allocation", "ratio above one", "ratio not a number", "no size", "no linear layers",
-    "unmatched target", "output inside model dir",
+    "unmatched target", "output inside model dir", "refine settings without refine", "refine lr not positive",
+    "refine without blocks",
 ]
 
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..benchmark.cli import DTYPES, positive_int
 from ..conversion import convert, save_pretrained
+from ..conversion.block_refinement import REFINEMENT_COLUMNS
 from ..conversion.blocks import without_kv_cache
 from ..conversion.kinds import LINEAR_KINDS, kind_of
 from ..conversion.planning import ALLOCATIONS
@@ -25,9 +26,9 @@ from .checkpoint import CommandError, calibration_batches, check_model_dir, load
 from .report_plot import plot_conversion_report
 from .staging import check_output_dir, staged_directory
 
-__all__ = ["add_compress_command", "run_compress", "REPORT_CSV", "REPORT_PNG"]
+__all__ = ["add_compress_command", "run_compress", "REPORT_CSV", "REPORT_PNG", "REFINEMENT_CSV"]
 
-REPORT_CSV, REPORT_PNG = "report.csv", "report.png"
+REPORT_CSV, REPORT_PNG, REFINEMENT_CSV = "report.csv", "report.png", "refinement.csv"
 _NO_BLOCKS = ("off", "none")
 
 
@@ -39,6 +40,17 @@ def _ratio(text: str) -> float:
         value = math.nan
     if not (0 < value <= 1):
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def _positive_number(text: str) -> float:
+    """``argparse`` type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
@@ -88,6 +100,11 @@ def add_compress_command(subparsers) -> None:
     sizes.add_argument("--blocks", metavar="auto|off|PATH",
                        help="block-by-block conversion: auto-detect, off, or the dotted path of the block list "
                             "(needs a panther_lite whose convert takes blocks)")
+    refine = command.add_argument_group("block-wise refinement (convert's refine; needs the block pipeline)")
+    refine.add_argument("--refine", action="store_true",
+                        help="after each block's fits, Adam steps so it reproduces the original block's outputs")
+    refine.add_argument("--refine-steps", type=positive_int, help="most Adam steps per block (default 100)")
+    refine.add_argument("--refine-lr", type=_positive_number, help="Adam's learning rate (default 1e-3)")
     selection = command.add_argument_group("layer selection (PEFT's semantics; exclusion wins)")
     targets = selection.add_mutually_exclusive_group()
     targets.add_argument("--target-modules", action="append", metavar="NAME",
@@ -117,6 +134,12 @@ def convert_options(args: argparse.Namespace) -> dict:
         target_modules=_selector(args.target_modules, args.target_regex),
         exclude_modules=_selector(args.exclude_modules, args.exclude_regex),
     )
+    settings = {"max_steps": args.refine_steps, "lr": args.refine_lr}
+    settings = {name: value for name, value in settings.items() if value is not None}
+    if settings and not args.refine:
+        raise CommandError("--refine-steps and --refine-lr set block-wise refinement: add --refine")
+    if args.refine:
+        options["refine"] = settings or True
     if args.blocks is not None:
         if "blocks" not in inspect.signature(convert).parameters:
             raise CommandError("--blocks needs the block-by-block pipeline, which this panther_lite's convert lacks")
@@ -159,6 +182,17 @@ def _check_paths(args: argparse.Namespace) -> None:
     check_output_dir(output, args.overwrite)
 
 
+def _save_refinement(rows: List[dict], path: Path, say) -> None:
+    """The per-block refinement errors as CSV, and one line saying what refinement bought."""
+    import pandas as pd
+
+    pd.DataFrame(rows, columns=REFINEMENT_COLUMNS).to_csv(path, index=False)
+    if rows:
+        before = sum(row["error_before"] for row in rows) / len(rows)
+        after = sum(row["error_after"] for row in rows) / len(rows)
+        say(f"refined {len(rows)} blocks: mean held-back block output error {before:.4f} -> {after:.4f}")
+
+
 def run_compress(args: argparse.Namespace) -> int:
     """Run the command; returns the exit status. Bad input raises
     :class:`~panther_lite.cli.checkpoint.CommandError` (or convert's ValueError / TypeError /
@@ -182,6 +216,8 @@ def run_compress(args: argparse.Namespace) -> int:
         save_pretrained(model, staging)
         tokenizer.save_pretrained(str(staging))
         report.to_csv(staging / REPORT_CSV, index=False)
+        if "refinement" in report.attrs:
+            _save_refinement(report.attrs["refinement"], staging / REFINEMENT_CSV, say)
         model_name = Path(os.path.abspath(args.model_dir)).name
         plot_conversion_report(report, staging / REPORT_PNG, title=f"{model_name}: {report.attrs['summary']}")
     print(report.attrs["summary"], flush=True)

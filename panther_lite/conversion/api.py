@@ -19,6 +19,7 @@ from ..nn.low_rank_fit import FIT_METHODS
 from ..nn.validation import check_choice, check_positive_int
 from ..sketch.random import check_seed
 from .block_pipeline import choose_blocks, convert_by_blocks, plan_global_by_blocks
+from .block_refinement import BlockRefiner
 from .blocks import BlockCall, BlockList, capture_inputs
 from .calibration import (
     Calibration, check_calibration_data, check_calibration_device, collect_grams, reiterable, run_batch,
@@ -30,6 +31,7 @@ from .layer_record import LayerRecord
 from .planning import (
     ALLOCATIONS, PlanNote, RankSpec, SizeRequest, parse_sizes, plan_global, plan_sizes, pooled_records, rank_multiple_for,
 )
+from .refinement import check_refine
 from .report import build_report
 from .selection import ModuleFilter, ModuleSelector, check_filter, check_selector, mark_unconvertible, select_layers
 from .sensitivity import output_gains
@@ -92,6 +94,7 @@ def _check_options(options: dict) -> None:
     rank_multiple_for(options["align"])
     if options["runtime_rows"] is not None:
         options["runtime_rows"] = check_positive_int("runtime_rows", options["runtime_rows"])
+    options["refine"] = check_refine(options["refine"])
 
 
 def _add_plan_columns(report: "pd.DataFrame", notes: Dict[str, PlanNote], options: dict) -> None:
@@ -129,6 +132,7 @@ def convert(
     fit: str = "auto",
     runtime_rows: Optional[int] = None,
     blocks: Union[None, bool, str] = "auto",
+    refine: Union[bool, Mapping[str, float], None] = False,
 ) -> "pd.DataFrame":
     """Replace linear and convolution layers of ``model`` with fitted sketched layers, in place.
 
@@ -190,6 +194,13 @@ def convert(
             ``transformer.h``, ``encoder.layer``, ...), a dotted path names it, False never.
             It needs calibration data given as re-iterable batches; otherwise, or without a
             block list, the whole model is calibrated at once. ``attrs["pipeline"]`` says which ran.
+        refine: block-wise refinement (needs the block pipeline): after each block's
+            closed-form fits, Adam on its sketched layers' factors and biases so the converted
+            block reproduces the original block's outputs on the cached calibration inputs,
+            stopping early on held-back calls and keeping the best parameters seen there
+            (:func:`~panther_lite.conversion.refinement.refine_block`). True for the
+            defaults, or a dict of its ``max_steps``, ``lr``, ``holdout``, ``patience``.
+            ``attrs["refinement"]``: per block, the held-back output error before and after.
 
     Returns:
         A DataFrame, one row per selected layer (``REPORT_COLUMNS``): ``status``
@@ -234,6 +245,8 @@ def _convert(model: nn.Module, **options) -> Tuple["pd.DataFrame", SwapLog]:
     records = select_layers(model, options["target_modules"], options["exclude_modules"], options["filter_fn"])
     mark_unconvertible(model, records)
     block_list, pipeline = choose_blocks(model, records, options)
+    if options["refine"] is not None and block_list is None:
+        raise ValueError(f"refine refines block by block, but this convert runs on the {pipeline}")
     calls = None
     if block_list is not None:
         cache_device = options["calibration_device"] or torch.device("cpu")
@@ -247,7 +260,8 @@ def _convert(model: nn.Module, **options) -> Tuple["pd.DataFrame", SwapLog]:
         fits = fit_planned(model, todo, calibration, options)
         log = swap_modules(model, [(name, fit.module) for name, fit in fits.items()])
     else:
-        fits, log = convert_by_blocks(model, todo, block_list, calls, options)
+        refiner = None if options["refine"] is None else BlockRefiner(options["refine"])
+        fits, log = convert_by_blocks(model, todo, block_list, calls, options, refiner)
     new_modules = {name: fit.module for name, fit in fits.items()}
     try:
         _check_runs(model, new_modules, options["example_inputs"], _replay(calibration, options))
@@ -257,6 +271,8 @@ def _convert(model: nn.Module, **options) -> Tuple["pd.DataFrame", SwapLog]:
     report = build_report(records, fits, stored_before, stored_numel(model))
     _add_plan_columns(report, notes, options)
     report.attrs["pipeline"] = pipeline
+    if options["refine"] is not None:
+        report.attrs["refinement"] = refiner.results
     return report, log
 
 

@@ -48,12 +48,14 @@ from .surgery import SwapLog, swap_modules, undo_swaps
 class FittedBlock:
     """A block just fitted and swapped into the model: where a block-wise refinement hooks in.
 
+    ``index`` / ``name``: the block's place in the block list and its dotted name;
     ``calls``: the cached inputs the converted block receives; ``targets``: the original
     block's hidden-state outputs it should reproduce, one per call (on the original stream's
     inputs under ``sequential=True``, else on ``calls``); ``predict(i)``: the converted block's
     output on ``calls[i]`` (with autograd, for refining its parameters)."""
 
     index: int
+    name: str
     block: nn.Module
     runner: BlockRunner
     calls: List[BlockCall]
@@ -139,7 +141,7 @@ def _convert_blocks(
             log += swap_modules(model, [(name, fit.module) for name, fit in block_fits.items()])
             fits.update(block_fits)
             if after_fit is not None:
-                after_fit(FittedBlock(index, block, runner, current, [hidden_states(call) for call in targets]))
+                after_fit(FittedBlock(index, where, block, runner, current, [hidden_states(call) for call in targets]))
             if index < last:
                 current = run_block(runner, current, cache, where) if options["sequential"] else targets
                 original = targets

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,9 @@ from torch import Tensor
 from ..nn.validation import check_positive_int
 from .progress import progress_bar
 
-__all__ = ["RefinementResult", "refine_block"]
+__all__ = ["REFINE_SETTINGS", "RefinementResult", "check_refine", "refine_block"]
+
+REFINE_SETTINGS = ("max_steps", "lr", "holdout", "patience")
 
 
 @dataclass(frozen=True)
@@ -88,13 +90,37 @@ def _check_arguments(parameters, predict, targets, lr, holdout) -> List[nn.Param
     for index, target in enumerate(targets):
         if not isinstance(target, Tensor):
             raise TypeError(f"refine_block: targets[{index}] must be a Tensor, got {type(target).__name__}")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
-        raise ValueError(f"refine_block: lr must be a positive finite number, got {lr!r}")
-    if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 < holdout < 1:
-        raise ValueError(
-            f"refine_block: holdout must be a fraction in (0, 1) of the calls (or rows) held back, got {holdout!r}"
-        )
+    _check_rates(lr, holdout, "refine_block: ")
     return parameters
+
+
+def _check_rates(lr, holdout, where: str) -> None:
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"{where}lr must be a positive finite number, got {lr!r}")
+    if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 < holdout < 1:
+        raise ValueError(f"{where}holdout must be a fraction in (0, 1) of the calls (or rows) held back, got {holdout!r}")
+
+
+def check_refine(refine) -> Optional[dict]:
+    """``convert``'s ``refine`` argument as :func:`refine_block` keyword arguments: None for
+    off (False / None), ``{}`` for the defaults (True), else the validated mapping."""
+    if refine is None or refine is False:
+        return None
+    if refine is True:
+        return {}
+    if not isinstance(refine, Mapping):
+        raise TypeError(
+            f"refine must be True, False or a dict of refine_block settings {REFINE_SETTINGS}, got {type(refine).__name__}"
+        )
+    unknown = sorted(str(key) for key in refine if key not in REFINE_SETTINGS)
+    if unknown:
+        raise ValueError(f"refine: unknown setting(s) {unknown}; expected some of {REFINE_SETTINGS}")
+    settings = dict(refine)
+    for name in ("max_steps", "patience"):
+        if name in settings:
+            settings[name] = check_positive_int(f"refine[{name!r}]", settings[name])
+    _check_rates(settings.get("lr", 1e-3), settings.get("holdout", 0.25), "refine: ")
+    return settings
 
 
 def _prediction(predict: Callable[[int], Tensor], index: int, target: Tensor) -> Tensor:
