@@ -121,6 +121,7 @@ MINILM_METHODS = {
     "uniform": dict(allocation="uniform"),
     "global": dict(allocation="global"),
     "global+sequential": dict(allocation="global", sequential=True),
+    "global+sequential+refine": dict(allocation="global", sequential=True, refine=True),
 }
 
 

@@ -222,10 +222,10 @@ def _bad_inputs(checkpoints, text_file, tmp_path):
         "unmatched target": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--target-modules", "q_proj"), 1, "q_proj"),
         "output inside model dir": (_argv(gpt2, text_file, gpt2 / "out", *RATIO_ARGS), 1, "MODEL_DIR"),
         "refine settings without refine": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--refine-steps", "5"), 1, "add --refine"),
-        "refine lr not positive": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--refine", "--refine-lr", "-1"), 2,
-                                   "positive number"),
+        "refine lr not positive": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--refine", "--refine-lr", "0"), 2,
+                                   "a finite number > 0"),
         "refine without blocks": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--refine", "--blocks", "off"), 1,
-                                  "refine refines block by block"),
+                                  "cannot be combined with --blocks off"),
     }
 
 

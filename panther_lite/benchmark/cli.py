@@ -25,6 +25,14 @@ def non_negative_float(text: str) -> float:
     return _bounded(text, float, 0.0, "a finite number >= 0")
 
 
+def positive_float(text: str) -> float:
+    """``argparse`` type: a finite number > 0."""
+    value = _bounded(text, float, 0.0, "a finite number > 0")
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
 def _bounded(text: str, kind: type, minimum, expected: str):
     try:
         value = kind(text)

@@ -15,7 +15,7 @@ from typing import Iterator, List, Optional
 
 import torch.nn as nn
 
-from ..benchmark.cli import DTYPES, positive_int
+from ..benchmark.cli import DTYPES, positive_float, positive_int
 from ..conversion import convert, save_pretrained
 from ..conversion.block_refinement import REFINEMENT_COLUMNS
 from ..conversion.blocks import without_kv_cache
@@ -40,17 +40,6 @@ def _ratio(text: str) -> float:
         value = math.nan
     if not (0 < value <= 1):
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
-
-
-def _positive_number(text: str) -> float:
-    """``argparse`` type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
@@ -104,7 +93,7 @@ def add_compress_command(subparsers) -> None:
     refine.add_argument("--refine", action="store_true",
                         help="after each block's fits, Adam steps so it reproduces the original block's outputs")
     refine.add_argument("--refine-steps", type=positive_int, help="most Adam steps per block (default 100)")
-    refine.add_argument("--refine-lr", type=_positive_number, help="Adam's learning rate (default 1e-3)")
+    refine.add_argument("--refine-lr", type=positive_float, help="Adam's learning rate (default 1e-3)")
     selection = command.add_argument_group("layer selection (PEFT's semantics; exclusion wins)")
     targets = selection.add_mutually_exclusive_group()
     targets.add_argument("--target-modules", action="append", metavar="NAME",
@@ -140,6 +129,8 @@ def convert_options(args: argparse.Namespace) -> dict:
         raise CommandError("--refine-steps and --refine-lr set block-wise refinement: add --refine")
     if args.refine:
         options["refine"] = settings or True
+        if args.blocks is not None and args.blocks.lower() in _NO_BLOCKS:
+            raise CommandError("--refine refines block by block: it cannot be combined with --blocks off")
     if args.blocks is not None:
         if "blocks" not in inspect.signature(convert).parameters:
             raise CommandError("--blocks needs the block-by-block pipeline, which this panther_lite's convert lacks")

@@ -19,7 +19,7 @@ from ..nn.low_rank_fit import FIT_METHODS
 from ..nn.validation import check_choice, check_positive_int
 from ..sketch.random import check_seed
 from .block_pipeline import choose_blocks, convert_by_blocks, plan_global_by_blocks
-from .block_refinement import BlockRefiner
+from .block_refinement import BlockRefiner, check_refine
 from .blocks import BlockCall, BlockList, capture_inputs
 from .calibration import (
     Calibration, check_calibration_data, check_calibration_device, collect_grams, reiterable, run_batch,
@@ -31,7 +31,6 @@ from .layer_record import LayerRecord
 from .planning import (
     ALLOCATIONS, PlanNote, RankSpec, SizeRequest, parse_sizes, plan_global, plan_sizes, pooled_records, rank_multiple_for,
 )
-from .refinement import check_refine
 from .report import build_report
 from .selection import ModuleFilter, ModuleSelector, check_filter, check_selector, mark_unconvertible, select_layers
 from .sensitivity import output_gains
@@ -198,9 +197,12 @@ def convert(
             closed-form fits, Adam on its sketched layers' factors and biases so the converted
             block reproduces the original block's outputs on the cached calibration inputs,
             stopping early on held-back calls and keeping the best parameters seen there
-            (:func:`~panther_lite.conversion.refinement.refine_block`). True for the
-            defaults, or a dict of its ``max_steps``, ``lr``, ``holdout``, ``patience``.
-            ``attrs["refinement"]``: per block, the held-back output error before and after.
+            (:func:`~panther_lite.conversion.refinement.refine_block`; in float32 for a
+            half-precision block). True (or ``{}``) for the defaults — ``max_steps=100``,
+            ``lr=1e-3``, ``holdout=0.25`` of the batches, ``patience=10`` — or a dict of some.
+            ``attrs["refinement"]``: per block, the held-back output error before and after;
+            a refined layer reads ``init="...+refined"`` (its ``weight_error`` measured
+            again, its ``output_error`` the closed-form fit's).
 
     Returns:
         A DataFrame, one row per selected layer (``REPORT_COLUMNS``): ``status``
@@ -256,11 +258,11 @@ def _convert(model: nn.Module, **options) -> Tuple["pd.DataFrame", SwapLog]:
     todo = [record for record in records if record.to_convert]
 
     stored_before = stored_numel(model)
+    refiner = None if options["refine"] is None else BlockRefiner(options["refine"])
     if block_list is None:
         fits = fit_planned(model, todo, calibration, options)
         log = swap_modules(model, [(name, fit.module) for name, fit in fits.items()])
     else:
-        refiner = None if options["refine"] is None else BlockRefiner(options["refine"])
         fits, log = convert_by_blocks(model, todo, block_list, calls, options, refiner)
     new_modules = {name: fit.module for name, fit in fits.items()}
     try:
@@ -271,7 +273,7 @@ def _convert(model: nn.Module, **options) -> Tuple["pd.DataFrame", SwapLog]:
     report = build_report(records, fits, stored_before, stored_numel(model))
     _add_plan_columns(report, notes, options)
     report.attrs["pipeline"] = pipeline
-    if options["refine"] is not None:
+    if refiner is not None:
         report.attrs["refinement"] = refiner.results
     return report, log
 

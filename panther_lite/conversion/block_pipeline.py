@@ -49,15 +49,19 @@ class FittedBlock:
     """A block just fitted and swapped into the model: where a block-wise refinement hooks in.
 
     ``index`` / ``name``: the block's place in the block list and its dotted name;
-    ``calls``: the cached inputs the converted block receives; ``targets``: the original
-    block's hidden-state outputs it should reproduce, one per call (on the original stream's
-    inputs under ``sequential=True``, else on ``calls``); ``predict(i)``: the converted block's
-    output on ``calls[i]`` (with autograd, for refining its parameters)."""
+    ``records`` / ``fits``: the layers this conversion just fitted in it and their fits (the
+    new modules, already swapped in); ``calls``: the cached inputs the converted block
+    receives; ``targets``: the original block's hidden-state outputs it should reproduce, one
+    per call (on the original stream's inputs under ``sequential=True``, else on ``calls``);
+    ``predict(i)``: the converted block's output on ``calls[i]`` (with autograd, for refining
+    its parameters)."""
 
     index: int
     name: str
     block: nn.Module
     runner: BlockRunner
+    records: List[LayerRecord]
+    fits: Dict[str, FitResult]
     calls: List[BlockCall]
     targets: List[Tensor]
 
@@ -141,7 +145,8 @@ def _convert_blocks(
             log += swap_modules(model, [(name, fit.module) for name, fit in block_fits.items()])
             fits.update(block_fits)
             if after_fit is not None:
-                after_fit(FittedBlock(index, where, block, runner, current, [hidden_states(call) for call in targets]))
+                outputs = [hidden_states(call) for call in targets]
+                after_fit(FittedBlock(index, where, block, runner, here, block_fits, current, outputs))
             if index < last:
                 current = run_block(runner, current, cache, where) if options["sequential"] else targets
                 original = targets

@@ -9,7 +9,7 @@ from typing import List, Optional
 import torch.nn as nn
 from torch import Tensor
 
-from ..nn.low_rank_fit import relative_error
+from ..nn.low_rank_fit import relative_error, row_slices
 from ..nn.validation import check_finite
 from .layer_record import LayerRecord
 
@@ -38,13 +38,19 @@ def check_finite_weights(records: List[LayerRecord]) -> None:
 
 def output_error(weight: Tensor, approx: Tensor, gram: Tensor) -> float:
     """``‖X(W−Ŵ)ᵀ‖_F / ‖XWᵀ‖_F`` from the Gram ``G = XᵀX``:
-    ``sqrt(trace((W−Ŵ) G (W−Ŵ)ᵀ) / trace(W G Wᵀ))``, with W, Ŵ as (fan_out, fan_in)."""
-    w = weight.detach().reshape(weight.shape[0], -1).to(gram)
-    diff = w - approx.detach().reshape_as(w).to(gram)
-    denominator = ((w @ gram) * w).sum()
+    ``sqrt(trace((W−Ŵ) G (W−Ŵ)ᵀ) / trace(W G Wᵀ))``, with W, Ŵ as (fan_out, fan_in), summed a
+    few rows at a time in the Gram's dtype (no full float64 copy of a large weight)."""
+    weight = weight.detach().reshape(weight.shape[0], -1)
+    approx = approx.detach().reshape_as(weight)
+    numerator = denominator = gram.new_zeros(())
+    for rows in row_slices(*weight.shape):
+        w = weight[rows].to(gram)
+        diff = w - approx[rows].to(gram)
+        numerator = numerator + ((diff @ gram) * diff).sum()
+        denominator = denominator + ((w @ gram) * w).sum()
     if denominator <= 0:
         return math.nan
-    return math.sqrt(max(float(((diff @ gram) * diff).sum() / denominator), 0.0))
+    return math.sqrt(max(float(numerator / denominator), 0.0))
 
 
 def match_trainability(new: nn.Module, old: nn.Module) -> None:

@@ -14,8 +14,9 @@ activations at a time (gradients are accumulated call by call).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
-from typing import Callable, List, Mapping, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -24,9 +25,7 @@ from torch import Tensor
 from ..nn.validation import check_positive_int
 from .progress import progress_bar
 
-__all__ = ["REFINE_SETTINGS", "RefinementResult", "check_refine", "refine_block"]
-
-REFINE_SETTINGS = ("max_steps", "lr", "holdout", "patience")
+__all__ = ["RefinementResult", "check_holdout", "check_lr", "refine_block"]
 
 
 @dataclass(frozen=True)
@@ -45,8 +44,9 @@ class RefinementResult:
 class _Split:
     """Which calls (or, with one call, which rows of it) train and which are held back.
 
-    With ``n >= 2`` calls the last ``max(1, round(holdout·n))`` calls (at most ``n − 1``) are
-    held back; with one call its last rows (``output.reshape(-1, last_dim)``) are.
+    With ``n >= 2`` calls, ``h = max(1, ⌊holdout·n + ½⌋)`` calls (at most ``n − 1``) spread
+    evenly over them are held back (calls ``⌈(i+1)·n/h⌉ − 1``: with batches sorted by length the
+    held set spans the lengths); with one call its last rows (``output.reshape(-1, last_dim)``).
     """
 
     def __init__(self, calls: int, holdout: float, rows: int) -> None:
@@ -57,11 +57,12 @@ class _Split:
                     "refine_block: a single cached call with fewer than 2 output rows leaves nothing to hold back; "
                     "cache more calibration calls"
                 )
-            held = min(rows - 1, max(1, round(holdout * rows)))
+            held = min(rows - 1, max(1, int(holdout * rows + 0.5)))
             self.train_calls, self.held_calls, self.first_held_row = [0], [0], rows - held
         else:
-            held = min(calls - 1, max(1, round(holdout * calls)))
-            self.train_calls, self.held_calls = list(range(calls - held)), list(range(calls - held, calls))
+            held = min(calls - 1, max(1, int(holdout * calls + 0.5)))
+            self.held_calls = [-(-(i + 1) * calls // held) - 1 for i in range(held)]
+            self.train_calls = [i for i in range(calls) if i not in self.held_calls]
             self.first_held_row = 0
 
     def rows(self, tensor: Tensor, held: bool) -> Tensor:
@@ -90,37 +91,23 @@ def _check_arguments(parameters, predict, targets, lr, holdout) -> List[nn.Param
     for index, target in enumerate(targets):
         if not isinstance(target, Tensor):
             raise TypeError(f"refine_block: targets[{index}] must be a Tensor, got {type(target).__name__}")
-    _check_rates(lr, holdout, "refine_block: ")
+    check_lr(lr)
+    check_holdout(holdout)
     return parameters
 
 
-def _check_rates(lr, holdout, where: str) -> None:
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+def check_lr(lr, where: str = "refine_block: ") -> float:
+    """``lr`` as a float when it is a positive finite real number (ValueError otherwise)."""
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"{where}lr must be a positive finite number, got {lr!r}")
-    if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 < holdout < 1:
+    return float(lr)
+
+
+def check_holdout(holdout, where: str = "refine_block: ") -> float:
+    """``holdout`` as a float when it is a fraction in (0, 1) (ValueError otherwise)."""
+    if isinstance(holdout, bool) or not isinstance(holdout, numbers.Real) or not 0 < holdout < 1:
         raise ValueError(f"{where}holdout must be a fraction in (0, 1) of the calls (or rows) held back, got {holdout!r}")
-
-
-def check_refine(refine) -> Optional[dict]:
-    """``convert``'s ``refine`` argument as :func:`refine_block` keyword arguments: None for
-    off (False / None), ``{}`` for the defaults (True), else the validated mapping."""
-    if refine is None or refine is False:
-        return None
-    if refine is True:
-        return {}
-    if not isinstance(refine, Mapping):
-        raise TypeError(
-            f"refine must be True, False or a dict of refine_block settings {REFINE_SETTINGS}, got {type(refine).__name__}"
-        )
-    unknown = sorted(str(key) for key in refine if key not in REFINE_SETTINGS)
-    if unknown:
-        raise ValueError(f"refine: unknown setting(s) {unknown}; expected some of {REFINE_SETTINGS}")
-    settings = dict(refine)
-    for name in ("max_steps", "patience"):
-        if name in settings:
-            settings[name] = check_positive_int(f"refine[{name!r}]", settings[name])
-    _check_rates(settings.get("lr", 1e-3), settings.get("holdout", 0.25), "refine: ")
-    return settings
+    return float(holdout)
 
 
 def _prediction(predict: Callable[[int], Tensor], index: int, target: Tensor) -> Tensor:
@@ -146,12 +133,16 @@ def _held_error(predict, targets: Sequence[Tensor], split: _Split) -> float:
     return error if math.isfinite(error) else math.inf
 
 
-def _training_step(predict, targets: Sequence[Tensor], split: _Split, optimizer: torch.optim.Optimizer) -> bool:
+def _training_scale(targets: Sequence[Tensor], split: _Split) -> float:
+    """``Σ‖target‖²`` over the training part (1 when zero): the loss is relative to it."""
+    scale = sum(float(split.rows(targets[i], held=False).double().square().sum()) for i in split.train_calls)
+    return scale if scale > 0 else 1.0
+
+
+def _training_step(predict, targets: Sequence[Tensor], split: _Split, optimizer, scale: float) -> bool:
     """One Adam step on the relative squared error of the training part, gradients accumulated
     call by call; False (and no step) when the loss is not finite."""
     optimizer.zero_grad(set_to_none=True)
-    scale = sum(float(split.rows(targets[i], held=False).double().square().sum()) for i in split.train_calls)
-    scale = scale if scale > 0 else 1.0
     with torch.enable_grad():
         for index in split.train_calls:
             target = split.rows(targets[index], held=False)
@@ -187,8 +178,9 @@ def refine_block(
         targets: the original block's output for each cached call.
         max_steps: most Adam steps (each one pass over the training calls).
         lr: Adam's learning rate.
-        holdout: fraction of the calls held back (at least one, at most all but one); with a
-            single call, fraction of its rows (``output.reshape(-1, last_dim)``, the last ones).
+        holdout: fraction of the calls held back, spread evenly over them (at least one, at
+            most all but one); with a single call, fraction of its rows
+            (``output.reshape(-1, last_dim)``, the last ones).
         patience: stop after this many steps without a new best held-back error.
         progress: a tqdm bar over the steps (None: on a terminal only).
 
@@ -212,10 +204,10 @@ def refine_block(
             parameter.requires_grad_(True)
             parameter.grad = None
         error_before = best_error = _held_error(predict, targets, split)
-        optimizer = torch.optim.Adam(parameters, lr=float(lr))
+        optimizer, scale = torch.optim.Adam(parameters, lr=float(lr)), _training_scale(targets, split)
         steps, since_best, stopped_early = 0, 0, False
         for _ in progress_bar(range(max_steps), "refining", "step", progress):
-            if not _training_step(predict, targets, split, optimizer):
+            if not _training_step(predict, targets, split, optimizer, scale):
                 stopped_early = True
                 break
             steps += 1

@@ -14,7 +14,7 @@ randomized one for large layers (:func:`uses_randomized_fit`).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -30,6 +30,7 @@ __all__ = [
     "output_subspace",
     "sketch_factors_from_weight",
     "relative_error",
+    "row_slices",
     "uses_randomized_fit",
 ]
 
@@ -193,10 +194,25 @@ def sketch_factors_from_weight(
     return S1, U1, U2, S2
 
 
+def row_slices(rows: int, row_length: int) -> Iterator[slice]:
+    """Slices of ``rows`` rows of ``row_length`` entries, each at most ~4M entries (32 MB in
+    float64): float64 sums over a large weight (an ``lm_head``) never hold a float64 copy of it."""
+    step = max(1, _FLOAT64_MAX_NUMEL // max(row_length, 1))
+    return (slice(start, start + step) for start in range(0, rows, step))
+
+
 def relative_error(approx: Tensor, exact: Tensor) -> float:
-    """``‖approx − exact‖_F / ‖exact‖_F`` in float64 (0 when both are zero)."""
-    diff = (approx.double() - exact.double()).norm()
-    denom = exact.double().norm()
-    if denom == 0:
-        return float(diff)
-    return float(diff / denom)
+    """``‖approx − exact‖_F / ‖exact‖_F`` of two tensors of one shape (any), in float64 a few
+    rows (first-dimension slices) at a time; ``‖approx − exact‖_F`` when ``exact`` is zero."""
+    if exact.numel() == 0:
+        return 0.0
+    exact = exact.reshape(exact.shape[0], -1) if exact.dim() > 1 else exact.reshape(1, -1)
+    approx = approx.reshape_as(exact)
+    squared_diff = squared_norm = exact.new_zeros((), dtype=torch.float64)
+    for rows in row_slices(*exact.shape):
+        chunk = exact[rows].double()
+        squared_diff = squared_diff + (approx[rows].double() - chunk).square().sum()
+        squared_norm = squared_norm + chunk.square().sum()
+    if squared_norm == 0:
+        return float(squared_diff.sqrt())
+    return float((squared_diff / squared_norm).sqrt())

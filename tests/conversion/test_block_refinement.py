@@ -1,6 +1,6 @@
 """``convert(refine=...)``: block-wise refinement inside the block pipeline (per-block errors in
-the report, only the sketched layers trained, flags restored, clear errors, nothing changed
-on a refused call)."""
+the report, only the layers just fitted trained, in float32 for bf16, flags restored, the refined
+block feeding the next under sequential, clear errors, nothing changed after a failure)."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +12,9 @@ import torch.nn as nn
 transformers = pytest.importorskip("transformers")
 
 import panther_lite  # noqa: E402
-from panther_lite.conversion.block_refinement import REFINEMENT_COLUMNS  # noqa: E402
+import panther_lite.conversion.block_refinement  # noqa: E402
+from panther_lite.conversion.block_refinement import REFINEMENT_COLUMNS, BlockRefiner  # noqa: E402
+from panther_lite.conversion.blocks import hidden_states  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS = 64, 32, 3
@@ -43,7 +45,7 @@ OPTIONS = dict(target_modules="all-linear", exclude_modules=["lm_head"], param_r
 
 
 def _convert(model, **kwargs):
-    return panther_lite.convert(model, calibration_data=_batches(8), **OPTIONS, **kwargs)
+    return panther_lite.convert(model, calibration_data=_batches(8), **{**OPTIONS, **kwargs})
 
 
 @pytest.mark.parametrize("sequential", [False, True])
@@ -105,3 +107,61 @@ def test_bad_refine_settings_are_named_before_anything_changes(refine, error, me
     with pytest.raises(error, match=message):
         _convert(model, refine=refine)
     assert not any(isinstance(module, SKLinear) for module in model.modules())
+
+
+def test_layers_an_earlier_conversion_made_are_not_refined():
+    model = _llama()
+    _convert(model, target_modules=["q_proj"], exclude_modules=None)
+    earlier = {n: p.clone() for n, p in model.named_parameters() if "q_proj" in n}
+    report = _convert(model, target_modules=["k_proj"], exclude_modules=None, refine={"max_steps": 5})
+    assert len(report.attrs["refinement"]) == LAYERS
+    assert all(torch.equal(p, earlier[n]) for n, p in model.named_parameters() if "q_proj" in n)
+    assert set(report.loc[report["status"] == "converted", "init"]) <= {"calibrated", "calibrated+refined"}
+    assert "calibrated+refined" in set(report["init"])
+
+
+def test_a_failure_while_refining_leaves_the_model_as_it_was(monkeypatch):
+    model = _llama().train()
+    state = copy.deepcopy(model.state_dict())
+    refined = []
+
+    def fail_on_the_second_block(parameters, predict, targets, **settings):
+        if refined:
+            raise RuntimeError("interrupted")
+        refined.append(block_refinement_refine(parameters, predict, targets, **settings))
+        return refined[-1]
+
+    block_refinement_refine = panther_lite.conversion.block_refinement.refine_block
+    monkeypatch.setattr(panther_lite.conversion.block_refinement, "refine_block", fail_on_the_second_block)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _convert(model, refine={"max_steps": 5})
+    assert refined and refined[0].steps > 0
+    assert not any(isinstance(module, SKLinear) for module in model.modules())
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())
+    assert all(module.training for module in model.modules())
+
+
+def test_with_sequential_the_refined_block_feeds_the_next(monkeypatch):
+    seen = {}
+    refine = BlockRefiner.__call__
+
+    def spy(self, fitted):
+        refine(self, fitted)
+        with torch.no_grad():
+            outputs = [fitted.predict(i) for i in range(len(fitted.calls))]
+        seen[fitted.index] = (outputs, [hidden_states(call) for call in fitted.calls])
+
+    monkeypatch.setattr(BlockRefiner, "__call__", spy)
+    _convert(_llama(), sequential=True, refine={"max_steps": 10})
+    for block in range(LAYERS - 1):
+        for output, next_input in zip(seen[block][0], seen[block + 1][1]):
+            torch.testing.assert_close(next_input, output, rtol=0, atol=0)
+
+
+def test_a_bfloat16_model_is_refined_in_float32_and_stays_bfloat16():
+    model = _llama().to(torch.bfloat16)
+    report = _convert(model, refine={"max_steps": 10, "lr": 3e-3})
+    assert any(row["error_after"] < row["error_before"] for row in report.attrs["refinement"])
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert all(p.grad is None for p in model.parameters())

@@ -37,6 +37,25 @@ def test_relative_error():
     assert low_rank_fit.relative_error(exact, exact) == 0
     assert low_rank_fit.relative_error(torch.zeros(2), exact) == pytest.approx(1.0)
     assert low_rank_fit.relative_error(torch.ones(2), torch.zeros(2)) == pytest.approx(2**0.5)
+    assert low_rank_fit.relative_error(torch.ones(0, 3), torch.ones(0, 3)) == 0
+
+
+def test_errors_summed_in_row_slices_equal_the_whole_matrix_formulas(monkeypatch):
+    """Slices of 7 rows (the limit lowered) give the same float64 errors as one pass."""
+    from panther_lite.conversion.fitting import output_error
+
+    monkeypatch.setattr(low_rank_fit, "_FLOAT64_MAX_NUMEL", 7 * 30)
+    assert [list(range(20))[s] for s in low_rank_fit.row_slices(20, 30)] == [
+        list(range(0, 7)), list(range(7, 14)), list(range(14, 20))
+    ]
+    gen = torch.Generator().manual_seed(0)
+    weight, approx = torch.randn(20, 30, generator=gen), torch.randn(20, 30, generator=gen)
+    x = torch.randn(50, 30, generator=gen, dtype=torch.float64)
+    w, a = weight.double(), approx.double()
+    expected = float((w - a).norm() / w.norm())
+    assert low_rank_fit.relative_error(approx, weight) == pytest.approx(expected, rel=1e-12)
+    expected_output = float((x @ (w - a).t()).norm() / (x @ w.t()).norm())
+    assert output_error(weight, approx, x.t() @ x) == pytest.approx(expected_output, rel=1e-10)
 
 
 # --- randomized fits ------------------------------------------------------------------------------
