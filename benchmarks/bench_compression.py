@@ -14,7 +14,9 @@ Three measurements, one CSV each (and a PNG) in ``--output-dir``:
     and evaluated on both, so in-domain and out-of-domain quality are reported apart. Sources:
     152 short natural sentences (``benchmarks/data/natural_sentences.txt``; the first 54
     calibrate) and Python standard-library docstring sentences harvested at run time (the
-    first 256 calibrate, the next 256 evaluate).
+    first 256 calibrate, the next 256 evaluate). Options: uniform, global, + sequential,
+    + block-wise refinement, and with 256 random-token sequences of 16 tokens appended to the
+    calibration text (:func:`panther_lite.random_token_batches`).
 ``compression_memory.csv``
     Peak resident memory above the loaded model while converting a 48-layer transformer-like
     stack (q/k/v/o and a 4× FFN per block, width 512) with calibration, each mode in a fresh
@@ -122,7 +124,10 @@ MINILM_METHODS = {
     "global": dict(allocation="global"),
     "global+sequential": dict(allocation="global", sequential=True),
     "global+sequential+refine": dict(allocation="global", sequential=True, refine=True),
+    "global+random tokens": dict(allocation="global", random_tokens=256),
+    "global+sequential+refine+random tokens": dict(allocation="global", sequential=True, refine=True, random_tokens=256),
 }
+RANDOM_TOKEN_LENGTH = 16
 
 
 def _docstring_sentences(count: int) -> list:
@@ -184,6 +189,10 @@ def minilm_rows(quick: bool) -> list:
             dict(tokenizer(text[i : i + 32], padding=True, truncation=True, max_length=128, return_tensors="pt"))
             for i in range(0, size, 32)
         ]
+        extra = dict(extra)
+        random_tokens = extra.pop("random_tokens", 0)
+        if random_tokens:  # a data-free prior over the vocabulary, appended to the text
+            calibration += panther_lite.random_token_batches(tokenizer, random_tokens, RANDOM_TOKEN_LENGTH)
         converted = copy.deepcopy(model)
         start = time.perf_counter()
         report = panther_lite.convert(

@@ -3,7 +3,8 @@
 Random-init ``transformers.LlamaForCausalLM`` models, calibrated on 4 batches of 2 × 256
 tokens, ``param_ratio=0.5`` over every linear layer (lm_head included), each case in a fresh
 process; memory added is the peak resident memory during ``convert`` minus the resident
-memory just before it (sampled every millisecond). One CSV per part (and one PNG) in
+memory just before it (sampled every millisecond); ``new_layers_gb`` is the part of it that
+the new sketched layers themselves take (the dense originals stay until the swap is final). One CSV per part (and one PNG) in
 ``--output-dir``:
 
 ``depth``      width 512 (FFN 1376, 8 heads), 2/4/8/16 layers: global + sequential and uniform
@@ -52,6 +53,13 @@ def cases(part: str, quick: bool) -> list:
     return [(22, 2048, 5632, 32, 4, 32000, "bfloat16", "global+sequential")]
 
 
+def _new_layers_bytes(report, dtype: str) -> int:
+    """Bytes of the sketched layers convert built (U buffers included): memory added that
+    stays, since the dense originals are kept until the swap is final (for its undo)."""
+    converted = report["status"] == "converted"
+    return int(report.loc[converted, "stored_params"].sum()) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
 def run_case(case: list, tokens: int) -> dict:
     """Build the model, convert it with calibration, measure (in this process)."""
     import transformers
@@ -76,6 +84,7 @@ def run_case(case: list, tokens: int) -> dict:
         layers=layers, hidden=hidden, ffn=ffn, dtype=dtype, mode=mode, parameters=parameters,
         model_gb=model_bytes / 1e9, seconds=seconds, added_gb=(memory.peak - before) / 1e9,
         converted=int((report["status"] == "converted").sum()), pipeline=report.attrs["pipeline"],
+        new_layers_gb=_new_layers_bytes(report, dtype) / 1e9,
         mean_output_error=float(report["output_error"].mean()),
     )
 
@@ -86,6 +95,9 @@ def _plot(df: pd.DataFrame, part: str, path: Path) -> None:
     for mode, rows in df.groupby("mode"):
         seconds_ax.plot(rows["layers"], rows["seconds"], "o-", label=mode)
         memory_ax.plot(rows["layers"], rows["added_gb"], "o-", label=mode)
+        if "new_layers_gb" in rows:
+            working = rows["added_gb"] - rows["new_layers_gb"]
+            memory_ax.plot(rows["layers"], working, "x:", label=f"{mode}: without the new layers")
     memory_ax.plot(df["layers"], df["model_gb"], "k--", label="model size")
     seconds_ax.set(xlabel="layers", ylabel="convert time (s)", title=f"{part}: time")
     memory_ax.set(xlabel="layers", ylabel="GB", title=f"{part}: memory added during convert")

@@ -14,6 +14,7 @@ from .conversion import (
     freeze,
     from_pretrained,
     plot_search,
+    random_token_batches,
     save_pretrained,
     tune,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "freeze",
     "tune",
     "plot_search",
+    "random_token_batches",
     "save_pretrained",
     "from_pretrained",
     "ConversionError",

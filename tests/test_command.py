@@ -172,6 +172,19 @@ def test_refine_writes_each_blocks_errors_beside_the_model(checkpoints, text_fil
     assert any(isinstance(module, SKLinear) for module in reloaded.modules())
 
 
+def test_random_tokens_join_the_calibration_batches(checkpoints, text_file, tmp_path, capsys, monkeypatch):
+    seen = []
+    real_convert = compress_module.convert
+    monkeypatch.setattr(compress_module, "convert", lambda model, calibration_data, **kw: seen.append(calibration_data)
+                        or real_convert(model, calibration_data=calibration_data, **kw))
+    argv = _argv(checkpoints["bert"], text_file, tmp_path / "out", "--param-ratio", "0.5", "--random-tokens", "12")
+    assert main(argv) == 0
+    assert "samples and 12 random-token sequences" in capsys.readouterr().err
+    rows = [batch["input_ids"].shape for batch in seen[0]]
+    assert sum(shape[0] for shape in rows) == len(read_samples(text_file, 128)) + 12
+    assert rows[-2:] == [(8, 16), (4, 16)]  # 16 random tokens each, in --batch-size batches
+
+
 def _no_linear_checkpoint(directory: Path) -> Path:
     """A registered transformers model made of an embedding alone."""
 

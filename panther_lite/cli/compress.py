@@ -16,7 +16,7 @@ from typing import Iterator, List, Optional
 import torch.nn as nn
 
 from ..benchmark.cli import DTYPES, positive_float, positive_int
-from ..conversion import convert, save_pretrained
+from ..conversion import convert, random_token_batches, save_pretrained
 from ..conversion.block_refinement import REFINEMENT_COLUMNS
 from ..conversion.blocks import without_kv_cache
 from ..conversion.kinds import LINEAR_KINDS, kind_of
@@ -72,6 +72,9 @@ def add_compress_command(subparsers) -> None:
     data.add_argument("--max-samples", type=positive_int, default=128, help="lines used (default 128)")
     data.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sample at most (default 256)")
     data.add_argument("--batch-size", type=positive_int, default=8, help="samples per batch (default 8)")
+    data.add_argument("--random-tokens", type=positive_int, metavar="N",
+                      help="append N sequences of 16 random vocabulary tokens: a data-free prior over the vocabulary "
+                           "that keeps quality on text unlike the calibration file")
     data.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                       help="dtype the model is loaded and converted in (default: the checkpoint's)")
     sizes = command.add_argument_group("sizes and allocation (panther_lite.convert's arguments)")
@@ -196,10 +199,13 @@ def run_compress(args: argparse.Namespace) -> int:
     with _transformers_bars(shown=not args.quiet), staged_directory(args.output, args.overwrite) as staging:
         model, tokenizer, auto_class = load_checkpoint(args.model_dir, DTYPES.get(args.dtype))
         batches = calibration_batches(samples, tokenizer, model, args.seq_len, args.batch_size)
+        if args.random_tokens:
+            batches += random_token_batches(tokenizer, args.random_tokens, batch_size=args.batch_size)
         tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
         _warn_if_few_tokens(model, tokens)
+        extra = f" and {args.random_tokens} random-token sequences" if args.random_tokens else ""
         say(f"loaded {type(model).__name__} ({auto_class.__name__}) from {args.model_dir}; calibrating on "
-            f"{len(samples)} samples ({tokens:,} tokens) in {len(batches)} batches")
+            f"{len(samples)} samples{extra} ({tokens:,} tokens) in {len(batches)} batches")
         with without_kv_cache(model):
             report = convert(model, calibration_data=batches, **options)
         pipeline = f" ({report.attrs['pipeline']})" if "pipeline" in report.attrs else ""  # where convert reports it

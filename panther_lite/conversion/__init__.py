@@ -8,11 +8,14 @@ and reports (``report``); :func:`densify` undoes it; :func:`conversion_config` /
 ``state_dict`` loads into a fresh copy of the dense model; :func:`save_pretrained` /
 :func:`from_pretrained` (``pretrained``) save and rebuild a converted model with its config;
 and :func:`tune` (``tuning``) finds the smallest budget within a tolerance of the dense score;
-:func:`freeze` (``freezing``) turns sketched layers into standard ones for deployment.
+:func:`freeze` (``freezing``) turns sketched layers into standard ones for deployment;
+:func:`random_token_batches` (``random_tokens``) adds a data-free prior over a language
+model's vocabulary to its calibration batches.
 """
 from .api import convert, densify
 from .freezing import FrozenConv1d, FrozenConv2d, FrozenConv3d, FrozenLinear, freeze
 from .pretrained import from_pretrained, save_pretrained
+from .random_tokens import random_token_batches
 from .report import conversion_summary
 from .serialization import apply_conversion_config, conversion_config
 from .tuning import plot_search, tune
@@ -34,4 +37,5 @@ __all__ = [
     "from_pretrained",
     "tune",
     "plot_search",
+    "random_token_batches",
 ]
