@@ -279,8 +279,9 @@ def memory_rows(quick: bool) -> list:
 
 
 def _plot(frames: dict, path: Path) -> None:
-    fig = new_figure(figsize=(16, 4.2))
-    axes = fig.subplots(1, len(frames))
+    widths = {"digits": 1.0, "minilm": 1.3, "memory": 0.8}
+    fig = new_figure(figsize=(20, 5.5))
+    axes = fig.subplots(1, len(frames), gridspec_kw=dict(width_ratios=[widths[name] for name in frames]))
     axes = [axes] if len(frames) == 1 else list(axes)
     for ax, (name, df) in zip(axes, frames.items()):
         if name == "digits":
@@ -291,12 +292,13 @@ def _plot(frames: dict, path: Path) -> None:
             ax.set_title("digits MLP 64-256-256-10, hidden layers")
         elif name == "minilm":
             rows = range(len(df))
-            labels = "calibrated on " + df["calibration"] + " / " + df["method"]
+            labels = df["calibration"] + ": " + df["method"].str.replace("+", " + ", regex=False)
             ax.barh([r + 0.2 for r in rows], df["in_domain"], height=0.4, color="tab:green", label="in-domain")
             ax.barh([r - 0.2 for r in rows], df["out_of_domain"], height=0.4, color="tab:red", label="out-of-domain")
             ax.set_yticks(list(rows), labels)
             ax.set_xlim(max(0.0, min(df["in_domain"].min(), df["out_of_domain"].min()) - 0.05), 1)
             ax.set_xlabel("mean cosine to the original embedding (held-out sentences)")
+            ax.set_ylabel("calibrated on: options")
             ax.set_title("all-MiniLM-L6-v2, 36 linear layers at 50%")
             ax.legend(fontsize=8, loc="lower right")
         else:
@@ -308,7 +310,7 @@ def _plot(frames: dict, path: Path) -> None:
             ax.set_title(f"calibration memory, {int(df['layers'].iloc[0])} layers")
             ax.legend(fontsize=8, loc="lower right")
     machine = next(iter(frames.values()))["machine"].iloc[0]
-    fig.suptitle(f"panther_lite.convert options — {machine}, shared and loaded by other work", fontsize=9)
+    fig.suptitle(f"panther_lite.convert options — {machine}", fontsize=9)
     save_figure(fig, path)
 
 
