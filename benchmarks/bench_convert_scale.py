@@ -19,6 +19,7 @@ measures without it. ``--note`` describes the machine's load in the CSV.
     python benchmarks/bench_convert_scale.py --part depth
     python benchmarks/bench_convert_scale.py --part tinyllama --output-dir benchmarks/results/cpu
     python benchmarks/bench_convert_scale.py --part depth --quick   # tiny sizes, seconds
+    python benchmarks/bench_convert_scale.py --part tinyllama --calibration-device cuda  # + peak GPU memory
 """
 from __future__ import annotations
 
@@ -60,8 +61,9 @@ def _new_layers_bytes(report, dtype: str) -> int:
     return int(report.loc[converted, "stored_params"].sum()) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def run_case(case: list, tokens: int) -> dict:
-    """Build the model, convert it with calibration, measure (in this process)."""
+def run_case(case: list, tokens: int, calibration_device: str = "cpu") -> dict:
+    """Build the model, convert it with calibration (statistics and the block at work on
+    ``calibration_device``; the model stays on the CPU), measure (in this process)."""
     import transformers
 
     layers, hidden, ffn, heads, kv_heads, vocab, dtype, mode = case
@@ -77,14 +79,21 @@ def run_case(case: list, tokens: int) -> dict:
     batches = [{"input_ids": torch.randint(0, vocab, (2, tokens), generator=generator)} for _ in range(4)]
     before = ResidentPeak.now()
     start = time.perf_counter()
+    on_gpu = calibration_device.startswith("cuda")
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
     with ResidentPeak() as memory:
-        report = panther_lite.convert(model, param_ratio=0.5, calibration_data=batches, progress=False, **MODES[mode])
+        report = panther_lite.convert(
+            model, param_ratio=0.5, calibration_data=batches, progress=False,
+            calibration_device=calibration_device, **MODES[mode],
+        )
     seconds = time.perf_counter() - start
     return dict(
         layers=layers, hidden=hidden, ffn=ffn, dtype=dtype, mode=mode, parameters=parameters,
         model_gb=model_bytes / 1e9, seconds=seconds, added_gb=(memory.peak - before) / 1e9,
         converted=int((report["status"] == "converted").sum()), pipeline=report.attrs["pipeline"],
-        new_layers_gb=_new_layers_bytes(report, dtype) / 1e9,
+        new_layers_gb=_new_layers_bytes(report, dtype) / 1e9, calibration_device=calibration_device,
+        peak_gpu_gb=torch.cuda.max_memory_allocated() / 1e9 if on_gpu else float("nan"),
         mean_output_error=float(report["output_error"].mean()),
     )
 
@@ -114,19 +123,22 @@ def main(argv=None) -> None:
     parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/out"))
     parser.add_argument("--quick", action="store_true", help="tiny sizes (for the tests)")
     parser.add_argument("--default-malloc", action="store_true", help="no MALLOC_MMAP_THRESHOLD_ in the cases")
+    parser.add_argument("--calibration-device", default="cpu",
+                        help="where the statistics and the block at work live, e.g. cuda (the model stays on the CPU)")
     parser.add_argument("--note", default="", help="how loaded the machine was (written to the CSV)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case (JSON) in this process
     args = parser.parse_args(argv)
     tokens = 16 if args.quick else 256
     if args.case:
-        print(json.dumps(run_case(json.loads(args.case), tokens)))
+        print(json.dumps(run_case(json.loads(args.case), tokens, args.calibration_device)))
         return
     args.output_dir.mkdir(parents=True, exist_ok=True)
     environment = dict(os.environ) if args.default_malloc else {**os.environ, **RECOMMENDED_MALLOC}
     for part in args.part:
         rows = []
         for case in cases(part, args.quick):
-            command = [sys.executable, __file__, "--case", json.dumps(case)] + (["--quick"] if args.quick else [])
+            command = [sys.executable, __file__, "--case", json.dumps(case), "--calibration-device", args.calibration_device]
+            command += ["--quick"] if args.quick else []
             done = subprocess.run(command, capture_output=True, text=True, check=True, env=environment)
             rows.append({**json.loads(done.stdout.strip().splitlines()[-1]),
                          "malloc_mmap_threshold": environment.get("MALLOC_MMAP_THRESHOLD_", "glibc default")})

@@ -3,7 +3,7 @@
 # to benchmarks/results/cuda/. Needs a CUDA build of torch importable by $PYTHON (default:
 # .venv/bin/python if there is one — set up with TORCH_SPEC=torch bash scripts/setup.sh —
 # else python3); the package runs from this checkout (PYTHONPATH), no install needed.
-# Pass a stage to run only part: tests | bars | sweep4096 | sweep8192 | conv | all (default).
+# Pass a stage to run only part: tests | bars | sweep4096 | sweep8192 | conv | compress | all (default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
@@ -29,4 +29,8 @@ for n in 4096 8192; do
 done
 if run conv; then
   "$PYTHON" benchmarks/bench_skconv2d.py --device cuda --dtype bfloat16 --channels 256 --batch 16 --output-dir "$RESULTS"
+fi
+if run compress; then  # the TinyLlama shape block by block, statistics and the block at work on the GPU
+  "$PYTHON" benchmarks/bench_convert_scale.py --part tinyllama --calibration-device cuda --output-dir "$RESULTS" \
+    --note "model on the CPU, calibration on the GPU"
 fi

@@ -170,3 +170,17 @@ def test_blocks_that_do_not_chain_fall_back_or_are_refused_by_path():
     with pytest.raises(ValueError, match="blocks='decoder.block': block 1 at decoder.block is not called"):
         panther_lite.convert(model, param_ratio=0.5, calibration_data=batches, progress=False, blocks="decoder.block")
     assert not any(isinstance(module, SKLinear) for module in model.modules())
+
+
+@pytest.mark.cuda
+def test_calibration_on_the_gpu_converts_a_cpu_model_as_on_the_cpu():
+    """The model stays on the CPU; each block visits the GPU only while it is calibrated."""
+    model, batches = _llama(), _batches(2)
+    on_cpu, on_gpu = copy.deepcopy(model), copy.deepcopy(model)
+    options = dict(param_ratio=0.5, calibration_data=batches, progress=False, fit="exact", sequential=True)
+    panther_lite.convert(on_cpu, **options)
+    report = panther_lite.convert(on_gpu, calibration_device="cuda", **options)
+    assert report.attrs["pipeline"].startswith("block pipeline")
+    assert {p.device.type for p in on_gpu.parameters()} == {"cpu"}
+    with torch.no_grad():
+        torch.testing.assert_close(on_gpu(**batches[0]).logits, on_cpu(**batches[0]).logits, rtol=1e-6, atol=1e-6)
