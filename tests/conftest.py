@@ -35,6 +35,19 @@ def one_thread():
 
 
 @pytest.fixture
+def logits_error():
+    """``error(model, reference, batches)``: relative Frobenius error of ``model``'s logits
+    against ``reference``'s over ``model(**batch)`` calls."""
+
+    def error(model, reference, batches) -> float:
+        with torch.no_grad():
+            squared = sum(float((model(**b).logits - reference(**b).logits).square().sum()) for b in batches)
+            return (squared / sum(float(reference(**b).logits.square().sum()) for b in batches)) ** 0.5
+
+    return error
+
+
+@pytest.fixture
 def repo_root() -> Path:
     """The checkout's root directory (scripts, tutorials and docs live under it)."""
     return ROOT

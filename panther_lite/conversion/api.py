@@ -194,7 +194,8 @@ def convert(
             It needs calibration data given as re-iterable batches; otherwise, or without a
             block list, the whole model is calibrated at once. ``attrs["pipeline"]`` says which ran.
         refine: block-wise refinement (needs the block pipeline): after each block's
-            closed-form fits, Adam on its sketched layers' factors and biases so the converted
+            closed-form fits, Adam on the factors and biases of the layers this call fitted in
+            it (earlier conversions' sketched layers untouched) so the converted
             block reproduces the original block's outputs on the cached calibration inputs,
             stopping early on held-back calls and keeping the best parameters seen there
             (:func:`~panther_lite.conversion.refinement.refine_block`; in float32 for a

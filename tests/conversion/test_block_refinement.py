@@ -35,12 +35,6 @@ def _batches(count: int, seed: int = 1):
     return [{"input_ids": torch.randint(0, VOCAB, (2, 12), generator=generator)} for _ in range(count)]
 
 
-def _relative_error(model, reference, batches) -> float:
-    with torch.no_grad():
-        squared = sum(float((model(**b).logits - reference(**b).logits).square().sum()) for b in batches)
-        return (squared / sum(float(reference(**b).logits.square().sum()) for b in batches)) ** 0.5
-
-
 OPTIONS = dict(target_modules="all-linear", exclude_modules=["lm_head"], param_ratio=0.3, progress=False)
 
 
@@ -70,13 +64,13 @@ def test_each_block_is_refined_and_reported_and_only_its_sketched_layers_change(
     assert changed and all(name.endswith(("S1", "S2", "bias")) for name in changed)
 
 
-def test_refinement_lowers_the_models_error_on_unseen_batches():
+def test_refinement_lowers_the_models_error_on_unseen_batches(logits_error):
     model = _llama()
     plain, refined = copy.deepcopy(model), copy.deepcopy(model)
     panther_lite.convert(plain, calibration_data=_batches(24), **OPTIONS)
     panther_lite.convert(refined, calibration_data=_batches(24), refine={"max_steps": 50, "lr": 3e-3}, **OPTIONS)
     unseen = _batches(4, seed=99)
-    assert _relative_error(refined, model, unseen) < _relative_error(plain, model, unseen)
+    assert logits_error(refined, model, unseen) < logits_error(plain, model, unseen)
 
 
 def test_without_refine_the_report_has_no_refinement():
@@ -159,9 +153,18 @@ def test_with_sequential_the_refined_block_feeds_the_next(monkeypatch):
             torch.testing.assert_close(next_input, output, rtol=0, atol=0)
 
 
-def test_a_bfloat16_model_is_refined_in_float32_and_stays_bfloat16():
+def test_a_bfloat16_model_is_refined_in_float32_and_stays_bfloat16(monkeypatch):
+    dtypes = []
+    refine = panther_lite.conversion.block_refinement.refine_block
+
+    def spy(parameters, predict, targets, **settings):
+        dtypes.append(({p.dtype for p in parameters}, predict(0).dtype))
+        return refine(parameters, predict, targets, **settings)
+
+    monkeypatch.setattr(panther_lite.conversion.block_refinement, "refine_block", spy)
     model = _llama().to(torch.bfloat16)
     report = _convert(model, refine={"max_steps": 10, "lr": 3e-3})
+    assert dtypes == [({torch.float32}, torch.float32)] * LAYERS
     assert any(row["error_after"] < row["error_before"] for row in report.attrs["refinement"])
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert all(p.grad is None for p in model.parameters())
