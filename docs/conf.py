@@ -79,7 +79,8 @@ def _csv_table_lines(csv_path: Path, title: str) -> list:
 
 
 class BenchmarkResults(Directive):
-    """Figures and tables for the files under ``benchmarks/results/<device>/``.
+    """Figures and tables for the files under ``benchmarks/results/<device>/`` (and its
+    subfolders, e.g. one sweep per size).
 
     Options: ``:pattern:`` — a glob on file names (default ``*``); ``:kind:`` —
     ``figures``, ``tables`` or ``both`` (default).
@@ -97,7 +98,7 @@ class BenchmarkResults(Directive):
         lines = []
         for device in devices:
             files = sorted(
-                f for f in device.iterdir() if f.suffix in suffixes and fnmatch.fnmatch(f.name, pattern)
+                f for f in device.rglob("*") if f.suffix in suffixes and fnmatch.fnmatch(f.name, pattern)
             )
             if not files:
                 continue

@@ -3,7 +3,8 @@
 # to benchmarks/results/cuda/. Needs a CUDA build of torch importable by $PYTHON (default:
 # .venv/bin/python if there is one — set up with TORCH_SPEC=torch bash scripts/setup.sh —
 # else python3); the package runs from this checkout (PYTHONPATH), no install needed.
-# Pass a stage to run only part: tests | bars | sweep4096 | sweep8192 | conv | compress | all (default).
+# Pass a stage to run only part: tests | bars | sweep4096 | sweep8192 | conv | onnx | compress | all (default).
+# PYTEST_ARGS adds options to the test stage, e.g. PYTEST_ARGS="-n 8" where pytest-xdist is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
@@ -15,7 +16,7 @@ stage="${1:-all}"
 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device')"
 run() { [ "$stage" = all ] || [ "$stage" = "$1" ]; }
 if run tests; then
-  "$PYTHON" -m pytest -q -p no:cacheprovider -rs  # the CUDA tests run here instead of skipping
+  "$PYTHON" -m pytest -q -p no:cacheprovider -rs -m cuda ${PYTEST_ARGS:-}  # the CUDA-marked tests (they skip elsewhere)
 fi
 if run bars; then
   "$PYTHON" benchmarks/bench_sklinear.py --device cuda --output-dir "$RESULTS"
@@ -29,6 +30,9 @@ for n in 4096 8192; do
 done
 if run conv; then
   "$PYTHON" benchmarks/bench_skconv2d.py --device cuda --dtype bfloat16 --channels 256 --batch 16 --output-dir "$RESULTS"
+fi
+if run onnx; then  # exit status 2: this onnxruntime build has no CUDA provider
+  "$PYTHON" benchmarks/bench_onnx_cuda.py --output-dir "$RESULTS"
 fi
 if run compress; then  # the TinyLlama shape block by block, statistics and the block at work on the GPU
   "$PYTHON" benchmarks/bench_convert_scale.py --part tinyllama --calibration-device cuda --output-dir "$RESULTS" \

@@ -59,8 +59,8 @@ def test_math_page_states_the_identities(html):
 
 def test_benchmark_page_shows_every_committed_plot_and_table(html):
     page = (html / "benchmarks.html").read_text()
-    pngs = sorted(RESULTS.glob("*/*.png"))
-    csvs = sorted(RESULTS.glob("*/*.csv"))
+    pngs = sorted(RESULTS.glob("*/**/*.png"))  # one folder per device, sweeps in subfolders
+    csvs = sorted(RESULTS.glob("*/**/*.csv"))
     images = {p.name for p in (html / "_images").glob("*.png")} if (html / "_images").is_dir() else set()
     for png in pngs:
         assert png.name in images, png

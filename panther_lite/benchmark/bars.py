@@ -67,7 +67,8 @@ def plot_bars(df: pd.DataFrame, path: Union[str, Path]) -> Path:
     ax.barh(positions, df["measured"], xerr=quartiles, color=colours, alpha=0.6, ecolor="dimgray", capsize=3,
             label="measured (median, quartiles)")  # fmt: skip
     ax.scatter(df["required"], positions, marker="D", s=30, color="black", zorder=3, label="required")
-    ax.set_yticks(list(positions), [f"{b}\n{m}" for b, m in zip(df["bar"], df["mode"])], fontsize=7)
+    labels = [f"{r.bar}\nL={r.num_terms} k={r.low_rank}, {r.mode}" for r in df.itertuples()]  # bars may share a name
+    ax.set_yticks(list(positions), labels, fontsize=7)
     ax.set_xlabel("reference time / SKLinear time (×, higher is better)")
     ax.set_xlim(left=0)
     first = df.iloc[0]

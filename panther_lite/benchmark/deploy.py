@@ -114,18 +114,24 @@ def quantize_onnx_int8(source: PathLike, target: PathLike) -> Path:
     return Path(target)
 
 
-def onnx_runner(path: PathLike, *, threads: Optional[int] = None) -> Callable[..., Tensor]:
+def onnx_runner(
+    path: PathLike, *, threads: Optional[int] = None, provider: str = "CPUExecutionProvider"
+) -> Callable[..., Tensor]:
     """``run(*inputs) -> Tensor``: the graph's first output for tensor inputs given in the
-    graph's input order, on onnxruntime's CPU provider (``threads``: its intra-op threads;
+    graph's input order, on onnxruntime's ``provider`` (``threads``: its intra-op threads;
     default: onnxruntime's). Its threads do not spin between calls: spinning would take the
-    cores from whatever runs next (PyTorch, in an interleaved comparison)."""
+    cores from whatever runs next (PyTorch, in an interleaved comparison). A provider this
+    onnxruntime build lacks is an error, not a silent fall back to the CPU."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads is not None:
         options.intra_op_num_threads = threads
-    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    if provider not in onnxruntime.get_available_providers():
+        available = onnxruntime.get_available_providers()
+        raise ValueError(f"provider {provider!r} is not in this onnxruntime build (it has {available})")
+    session = onnxruntime.InferenceSession(str(path), options, providers=[provider])
     names = [item.name for item in session.get_inputs()]
 
     def run(*inputs: Tensor) -> Tensor:

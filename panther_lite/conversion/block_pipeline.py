@@ -33,7 +33,9 @@ import torch.nn as nn
 from torch import Tensor
 
 from .allocation import whitened_energy
-from .blocks import BlockCall, BlockList, BlockRunner, block_on, chain_problem, find_blocks, hidden_states, run_block
+from .blocks import (
+    BlockCall, BlockList, BlockRunner, block_device, block_on, chain_problem, find_blocks, hidden_states, run_block,
+)  # fmt: skip
 from .calibration import collect_grams, reiterable, run_batch
 from .fitting import FitResult
 from .layer_fits import fit_planned
@@ -128,6 +130,17 @@ def _block_options(options: dict, todo: List[LayerRecord], first: Optional[Layer
     return {**options, "progress": False, "seed": None if options["seed"] is None else options["seed"] + offset}
 
 
+def _swap_sending_home(model: nn.Module, block_fits: Dict[str, FitResult], home: Optional[torch.device]) -> SwapLog:
+    """Swap the block's fitted layers in; the dense originals leave the block while it is on
+    the calibration device, so they go back to the block's own device now (an undo, or a
+    layer kept dense, puts them back into the model there)."""
+    swaps = swap_modules(model, [(name, fit.module) for name, fit in block_fits.items()])
+    if home is not None:
+        for _, _, original in swaps:
+            original.to(home)
+    return swaps
+
+
 def _convert_blocks(
     model: nn.Module, todo: List[LayerRecord], block_list: BlockList, calls, options: dict, log: SwapLog,
     after_fit: Optional[AfterFit],
@@ -137,12 +150,12 @@ def _convert_blocks(
     cache, fits = _cache_device(options), {}
     original = current = calls
     for index, block in enumerate(progress_bar(block_list.blocks[: last + 1], "converting", "block", options["progress"])):
-        here, where = block_list.records_in(index, todo), block_list.prefix(index)[:-1]
+        here, where, home = block_list.records_in(index, todo), block_list.prefix(index)[:-1], block_device(block)
         with block_on(block, options["calibration_device"]):
             runner = BlockRunner(model, block, options["calibration_device"])
             block_fits = _fit_block(runner, here, original, current, _block_options(options, todo, next(iter(here), None)))
             targets = run_block(runner, original, cache, where) if index < last or after_fit is not None else None
-            log += swap_modules(model, [(name, fit.module) for name, fit in block_fits.items()])
+            log += _swap_sending_home(model, block_fits, home)
             fits.update(block_fits)
             if after_fit is not None:
                 outputs = [hidden_states(call) for call in targets]

@@ -245,7 +245,8 @@ def capture_inputs(model: nn.Module, block_list: BlockList, batches, cache_devic
     return calls
 
 
-def _block_device(block: nn.Module) -> Optional[torch.device]:
+def block_device(block: nn.Module) -> Optional[torch.device]:
+    """The device of ``block``'s first parameter or buffer (None if it has neither)."""
     tensor = next(iter([*block.parameters(), *block.buffers()]), None)
     return None if tensor is None else tensor.device
 
@@ -253,7 +254,7 @@ def _block_device(block: nn.Module) -> Optional[torch.device]:
 @contextlib.contextmanager
 def block_on(block: nn.Module, device: Optional[torch.device]) -> Iterator[None]:
     """``block`` moved to ``device`` for the duration (None: left where it is), and back."""
-    home = _block_device(block)
+    home = block_device(block)
     if device is None or home is None or home == device:
         yield
         return
@@ -276,7 +277,7 @@ class BlockRunner(nn.Module):
             self.add_module(name, child)
         # not a child (it is already reachable by its name); names no model child will have
         self.__dict__["_running_block"] = block
-        self.__dict__["_running_device"] = device if device is not None else _block_device(block)
+        self.__dict__["_running_device"] = device if device is not None else block_device(block)
 
     def forward(self, args: tuple, kwargs: dict):
         args, kwargs = move_call((args, kwargs), self._running_device)

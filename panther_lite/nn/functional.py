@@ -185,6 +185,14 @@ def _autocast(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
 
 
+def autocast_enabled_on(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type``; False on devices autocast does not know,
+    such as meta. Dynamo cannot trace ``is_autocast_available`` (torch 2.11), and every
+    device it compiles for has autocast, so a compiled call asks only ``is_autocast_enabled``."""
+    available = torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)
+    return available and torch.is_autocast_enabled(device_type)
+
+
 def _cast_operands(x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor]) -> tuple:
     """The sketches in the factors' dtype, then autocast's casts (none when it is off)."""
     if U1.dtype != S1.dtype or U2.dtype != S1.dtype:
@@ -192,7 +200,7 @@ def _cast_operands(x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bi
     # _is_any_autocast_enabled is one cheap call; the per-device query only runs under autocast
     if torch._C._is_any_autocast_enabled():
         device_type = x.device.type
-        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        if autocast_enabled_on(device_type):
             dtype = torch.get_autocast_dtype(device_type)
             x, S1, U1, U2, S2 = (_autocast(t, dtype) for t in (x, S1, U1, U2, S2))
             bias = None if bias is None else _autocast(bias, dtype)

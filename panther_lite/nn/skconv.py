@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..sketch.dense import sign_matrix
+from .functional import autocast_enabled_on
 from .layer_base import SketchedLayer
 from .low_rank_fit import output_subspace
 from .rank_selection import SketchSize, sketch_size
@@ -58,12 +59,7 @@ def _reversed_padding(
 def _autocast_casts(input: Tensor) -> bool:
     """Whether autocast will cast ``input`` (it is on for the input's device and leaves float64
     alone); False on devices autocast does not know, such as meta."""
-    device_type = input.device.type
-    return (
-        input.dtype != torch.float64
-        and torch.amp.is_autocast_available(device_type)
-        and torch.is_autocast_enabled(device_type)
-    )
+    return input.dtype != torch.float64 and autocast_enabled_on(input.device.type)
 
 
 def conv_sketch_size(fan_in: int, fan_out: int, num_terms: int, low_rank: int, bias: bool = True) -> SketchSize:

@@ -17,7 +17,8 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 from panther_lite.benchmark.deploy import (  # noqa: E402
-    DEPLOY_COLUMNS, DEPLOY_FORMS, deploy_rows, deployable_forms, plot_deploy, saved_size_bytes,
+    DEPLOY_COLUMNS, DEPLOY_FORMS, deploy_rows, deployable_forms, export_onnx, onnx_runner, plot_deploy,
+    saved_size_bytes,
 )
 from panther_lite.conversion import FrozenLinear  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
@@ -77,6 +78,24 @@ def test_bench_deploy_writes_csv_and_plot(tmp_path, load_script, capsys):
     assert list(df.columns) == bench.COLUMNS and len(df) == 2 * len(DEPLOY_FORMS)
     assert set(df["runtime"]) == {"pytorch", "onnxruntime"} and (df["quality"] > 0.5).all()
     assert (tmp_path / "deploy.png").stat().st_size > 0
+
+
+def test_onnx_runner_refuses_a_provider_this_build_lacks_instead_of_falling_back(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 4)).eval()
+    path = export_onnx(model, (torch.randn(2, 8),), tmp_path / "m.onnx", ["x"], {"x": {0: "batch"}})
+    torch.testing.assert_close(onnx_runner(path)(torch.ones(3, 8)), model(torch.ones(3, 8)).detach())
+    with pytest.raises(ValueError, match="NoSuchExecutionProvider"):
+        onnx_runner(path, provider="NoSuchExecutionProvider")
+
+
+def test_bench_onnx_cuda_says_when_onnxruntime_has_no_cuda_provider(tmp_path, load_script, capsys, monkeypatch):
+    import onnxruntime
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    bench = load_script("benchmarks/bench_onnx_cuda.py")
+    assert bench.main(["--output-dir", str(tmp_path)]) == 2
+    assert "no CUDAExecutionProvider" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
 
 
 def test_plot_is_drawn_without_pyplot(tmp_path):

@@ -49,9 +49,11 @@ def test_align_rounds_only_when_it_costs_at_most_a_tenth():
 
 @pytest.mark.cuda
 def test_auto_alignment_on_tensor_cores():
+    # 30% of a 1024² layer allows rank 76; 72 still fills 94% of it (at 25%, 56 of 63 would fill
+    # under 90%, and the unaligned 63 is kept: see test_align_rounds_only_when_it_costs_at_most_a_tenth)
     model = nn.Sequential(nn.Linear(1024, 1024, device="cuda", dtype=torch.bfloat16))
-    report = panther_lite.convert(model, param_ratio=0.25, progress=False)
-    assert report.loc[0, "low_rank"] % 8 == 0 and report.loc[0, "rank_multiple"] == 8
+    report = panther_lite.convert(model, param_ratio=0.3, progress=False)
+    assert report.loc[0, "low_rank"] == 72 and report.loc[0, "rank_multiple"] == 8
 
 
 def test_bad_align_and_allocation_are_named():

@@ -201,7 +201,11 @@ def test_channels_last_skconv2d_matches_contiguous(device):
     assert net.conv.S.is_contiguous(memory_format=torch.channels_last)
     x_cl = x.contiguous(memory_format=torch.channels_last)
     conv_out = net.conv(x_cl)
-    assert conv_out.is_contiguous(memory_format=torch.channels_last)
+    dense = nn.Conv2d(3, 8, kernel_size=3, padding=1, stride=2, dtype=torch.float64, device=device)
+    dense_out = dense.to(memory_format=torch.channels_last)(x_cl)  # CUDA float64 (no cuDNN) gives NCHW
+    assert conv_out.is_contiguous(memory_format=torch.channels_last) == dense_out.is_contiguous(
+        memory_format=torch.channels_last
+    )
     torch.testing.assert_close(conv_out, net.conv(x), **FLOAT64_TOL)
     out = net(x_cl)
     F.cross_entropy(out, y).backward()
