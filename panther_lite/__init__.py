@@ -6,6 +6,8 @@ import importlib
 from . import nn, sketch
 from .conversion import (
     ConversionError,
+    ConvertConfig,
+    RefineConfig,
     apply_conversion_config,
     conversion_config,
     conversion_summary,
@@ -15,6 +17,7 @@ from .conversion import (
     from_pretrained,
     plot_search,
     random_token_batches,
+    register_kind,
     save_pretrained,
     tune,
 )
@@ -28,6 +31,9 @@ __all__ = [
     "SKConv2d",
     "SKConv3d",
     "convert",
+    "ConvertConfig",
+    "RefineConfig",
+    "register_kind",
     "densify",
     "freeze",
     "tune",

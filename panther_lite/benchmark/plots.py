@@ -11,6 +11,7 @@ from typing import List, Tuple, Union
 import numpy as np
 import pandas as pd
 
+from ..figures import new_figure, save_figure
 from .analysis import pareto_front
 from .sweep import COMPARED_INITS
 
@@ -23,25 +24,6 @@ _HEATMAPS = (
     ("roofline_fraction", "fraction of roofline", "RdYlGn"),
     ("task_accuracy", "digits test accuracy", "viridis"),
 )
-
-
-def new_figure(**kwargs):
-    """A matplotlib ``Figure`` (keyword arguments as ``Figure``'s) that is never registered
-    with pyplot, so plotting neither needs a display nor changes the caller's backend;
-    draw on it with the object-oriented API (``fig.subplots()``) and save it with
-    :func:`save_figure`."""
-    from matplotlib.figure import Figure
-
-    return Figure(**kwargs)
-
-
-def save_figure(fig, path: Union[str, Path], *, dpi: int = 110) -> Path:
-    """Lay out ``fig`` and save it as a PNG at ``path`` (creating its folder); returns the path."""
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    return path
 
 
 def _sketched(df: pd.DataFrame) -> pd.DataFrame:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import math
 import os
 import sys
@@ -15,13 +14,13 @@ from typing import Iterator, List, Optional
 
 import torch.nn as nn
 
-from ..benchmark.cli import DTYPES, positive_float, positive_int
-from ..conversion import convert, random_token_batches, save_pretrained
-from ..conversion.block_refinement import REFINEMENT_COLUMNS
-from ..conversion.blocks import without_kv_cache
-from ..conversion.kinds import LINEAR_KINDS, kind_of
-from ..conversion.planning import ALLOCATIONS
+from ..conversion import ConvertConfig, convert, random_token_batches, save_pretrained
+from ..conversion.config import ALLOCATIONS
+from ..conversion.fitting.block_refinement import REFINEMENT_COLUMNS
+from ..conversion.kinds import kind_of
+from ..conversion.pipelines.blocks import without_kv_cache
 from ..nn.low_rank_fit import FIT_METHODS
+from .arguments import DTYPES, positive_float, positive_int
 from .checkpoint import CommandError, calibration_batches, check_model_dir, load_checkpoint, read_samples
 from .report_plot import plot_conversion_report
 from .staging import check_output_dir, staged_directory
@@ -115,8 +114,8 @@ def _selector(names: Optional[List[str]], regex: Optional[str]):
     return "all-linear" if names == ["all-linear"] else names
 
 
-def convert_options(args: argparse.Namespace) -> dict:
-    """The keyword arguments of :func:`panther_lite.convert` the parsed options ask for."""
+def convert_config(args: argparse.Namespace) -> ConvertConfig:
+    """The :class:`~panther_lite.ConvertConfig` the parsed options ask for."""
     if args.param_ratio is None and args.low_rank is None:
         raise CommandError("give the size: --param-ratio R, or --low-rank K (with --num-terms L)")
     options = dict(
@@ -135,10 +134,8 @@ def convert_options(args: argparse.Namespace) -> dict:
         if args.blocks is not None and args.blocks.lower() in _NO_BLOCKS:
             raise CommandError("--refine refines block by block: it cannot be combined with --blocks off")
     if args.blocks is not None:
-        if "blocks" not in inspect.signature(convert).parameters:
-            raise CommandError("--blocks needs the block-by-block pipeline, which this panther_lite's convert lacks")
         options["blocks"] = False if args.blocks.lower() in _NO_BLOCKS else args.blocks
-    return options
+    return ConvertConfig(**options)
 
 
 @contextlib.contextmanager
@@ -160,7 +157,7 @@ def _warn_if_few_tokens(model: nn.Module, tokens: int) -> None:
     """Whitened fits see only the input directions the calibration tokens span: with fewer
     tokens than a layer has inputs, its fit matches the calibration text and little else."""
     widths = [(kind.weight_matrix(module).shape[1], name) for name, module in model.named_modules()
-              if (kind := kind_of(module)) in LINEAR_KINDS]
+              if (kind := kind_of(module)) is not None and kind.linear]
     widest, name = max(widths, key=lambda width_name: width_name[0], default=(0, ""))  # the first widest
     if tokens < widest:
         print(f"warning: the calibration text has {tokens:,} tokens, fewer than the {widest:,} inputs of {name}: "
@@ -195,7 +192,7 @@ def run_compress(args: argparse.Namespace) -> int:
     say = (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr, flush=True))
     _check_paths(args)
     samples = read_samples(args.calibration, args.max_samples)
-    options = convert_options(args)
+    config = convert_config(args)
     with _transformers_bars(shown=not args.quiet), staged_directory(args.output, args.overwrite) as staging:
         model, tokenizer, auto_class = load_checkpoint(args.model_dir, DTYPES.get(args.dtype))
         batches = calibration_batches(samples, tokenizer, model, args.seq_len, args.batch_size)
@@ -207,7 +204,7 @@ def run_compress(args: argparse.Namespace) -> int:
         say(f"loaded {type(model).__name__} ({auto_class.__name__}) from {args.model_dir}; calibrating on "
             f"{len(samples)} samples{extra} ({tokens:,} tokens) in {len(batches)} batches")
         with without_kv_cache(model):
-            report = convert(model, calibration_data=batches, **options)
+            report = convert(model, config=config, calibration_data=batches)
         pipeline = f" ({report.attrs['pipeline']})" if "pipeline" in report.attrs else ""  # where convert reports it
         say(f"converted in {time.perf_counter() - started:.1f} s{pipeline}; saving")
         save_pretrained(model, staging)

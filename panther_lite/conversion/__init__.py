@@ -1,34 +1,46 @@
 """Model surgery: replace a trained model's dense layers with fitted sketched layers, and back.
 
-:func:`convert` picks layers (``selection``), sizes them (``planning``), records
-calibration statistics (``calibration``), fits replacements (``fitting``), swaps
-them in atomically (``surgery``), checks the result still runs (``verification``)
-and reports (``report``); :func:`densify` undoes it; :func:`conversion_config` /
-:func:`apply_conversion_config` (``serialization``) rebuild a converted layout so its
-``state_dict`` loads into a fresh copy of the dense model; :func:`save_pretrained` /
-:func:`from_pretrained` (``pretrained``) save and rebuild a converted model with its config;
-and :func:`tune` (``tuning``) finds the smallest budget within a tolerance of the dense score;
-:func:`freeze` (``freezing``) turns sketched layers into standard ones for deployment;
-:func:`random_token_batches` (``random_tokens``) adds a data-free prior over a language
-model's vocabulary to its calibration batches.
+:func:`convert` takes its options as a :class:`ConvertConfig` (``config``), picks layers
+(``selection``) of the registered layer kinds (``kinds``, :func:`register_kind`), chooses a
+pipeline (``pipelines``: the whole model at once or block by block) that sizes them
+(``planning``), records calibration statistics (``calibration``) and fits replacements
+(``fitting``), swaps them in atomically (``surgery``), checks the result still runs
+(``verification``) and reports (``report``); :func:`densify` undoes it;
+:func:`conversion_config` / :func:`apply_conversion_config` (``saving``) rebuild a converted
+layout so its ``state_dict`` loads into a fresh copy of the dense model; :func:`save_pretrained`
+/ :func:`from_pretrained` save and rebuild a converted model with its config; :func:`tune`
+(``tuning``) finds the smallest budget within a tolerance of the dense score; :func:`freeze`
+(``deploy``) turns sketched layers into standard ones for deployment;
+:func:`random_token_batches` adds a data-free prior over a language model's vocabulary to its
+calibration batches.
 """
+from ..figures import plot_search
 from .api import convert, densify
-from .freezing import FrozenConv1d, FrozenConv2d, FrozenConv3d, FrozenLinear, freeze
-from .pretrained import from_pretrained, save_pretrained
-from .random_tokens import random_token_batches
+from .calibration.random_tokens import random_token_batches
+from .config import ConvertConfig, RefineConfig
+from .deploy.freezing import freeze
+from .kinds import FrozenConv1d, FrozenConv2d, FrozenConv3d, FrozenLinear, LayerKind, LinearKind, register_kind
+from .pipelines import Pipeline
 from .report import conversion_summary
-from .serialization import apply_conversion_config, conversion_config
-from .tuning import plot_search, tune
+from .saving.pretrained import from_pretrained, save_pretrained
+from .saving.serialization import apply_conversion_config, conversion_config
+from .tuning import tune
 from .verification import ConversionError
 
 __all__ = [
     "convert",
+    "ConvertConfig",
+    "RefineConfig",
     "densify",
     "freeze",
     "FrozenLinear",
     "FrozenConv1d",
     "FrozenConv2d",
     "FrozenConv3d",
+    "register_kind",
+    "LayerKind",
+    "LinearKind",
+    "Pipeline",
     "conversion_summary",
     "conversion_config",
     "apply_conversion_config",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Dict, List
 
-from .fitting import FitResult
-from .layer_record import CONVERTED, KEPT_DENSE, SKIPPED, LayerRecord
+from .fitting.layer import FitResult
+from .records import CONVERTED, KEPT_DENSE, SKIPPED, LayerRecord
 
 if TYPE_CHECKING:
     import pandas as pd

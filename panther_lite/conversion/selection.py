@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch.nn as nn
 from torch.nn.utils import parametrize
@@ -11,11 +11,10 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from .adapters import adapter_skip_reason
-from .kinds import KINDS, LINEAR_KINDS, SKETCHED_TYPES, kind_of
-from .layer_record import SKIPPED, LayerRecord
+from .config import ModuleFilter, ModuleSelector
+from .kinds import kind_of, registered_kinds, sketched_types
+from .records import SKIPPED, LayerRecord
 
-ModuleSelector = Union[str, Sequence[str], None]
-ModuleFilter = Callable[[nn.Module, str], bool]
 
 # Parents whose forward reads these children's ``.weight`` directly instead of calling them:
 # nn.MultiheadAttention passes out_proj.weight to F.multi_head_attention_forward, and the
@@ -25,32 +24,10 @@ _DIRECT_WEIGHT_READERS = {
     nn.TransformerEncoderLayer: ("linear1", "linear2"),
 }
 
-_KIND_NAMES = "/".join(kind.name for kind in KINDS)
 
 
-def compile_regex(name: str, pattern: str) -> "re.Pattern":
-    """``re.compile(pattern)``; ValueError naming the argument when it is not a regex."""
-    try:
-        return re.compile(pattern)
-    except re.error as error:
-        raise ValueError(f"{name} {pattern!r} is not a valid regular expression: {error}") from None
-
-
-def check_selector(name: str, spec: ModuleSelector) -> None:
-    """TypeError/ValueError unless ``spec`` is None, a valid regex or a list of names."""
-    if spec is None:
-        return
-    if isinstance(spec, str):
-        compile_regex(name, spec)
-        return
-    if isinstance(spec, (list, tuple, set, frozenset)) and all(isinstance(entry, str) for entry in spec):
-        return
-    raise TypeError(f"{name} must be None, a regex string or a list of module names, got {spec!r}")
-
-
-def check_filter(filter_fn: Optional[ModuleFilter]) -> None:
-    if filter_fn is not None and not callable(filter_fn):
-        raise TypeError(f"filter_fn must be a callable (module, fqn) -> bool, got {filter_fn!r}")
+def _kind_names() -> str:
+    return "/".join(kind.name for kind in registered_kinds())
 
 
 def _entry_matches(entry: str, fqn: str) -> bool:
@@ -69,7 +46,7 @@ def _is_target(record: LayerRecord, target_modules: ModuleSelector) -> bool:
     if target_modules is None:
         return True
     if target_modules == "all-linear":
-        return record.kind in LINEAR_KINDS
+        return record.kind.linear
     return matches(target_modules, record.name)
 
 
@@ -91,7 +68,7 @@ def _check_every_entry_matches(model: nn.Module, name: str, spec: ModuleSelector
     unmatched = [entry for entry in spec if not any(_entry_matches(entry, fqn) for fqn in names)]
     if unmatched:
         raise ValueError(
-            f"{name} entries {unmatched} matched no {_KIND_NAMES} module "
+            f"{name} entries {unmatched} matched no {_kind_names()} module "
             f"(a list entry matches a dotted name equal to it or ending in '.' + entry); "
             f"the model's candidates are: {_preview(names)}{_already_sketched_note(model)}"
         )
@@ -124,7 +101,7 @@ def select_layers(
     ]
     if not selected:
         raise ValueError(
-            f"no {_KIND_NAMES} module matched target_modules={target_modules!r}, "
+            f"no {_kind_names()} module matched target_modules={target_modules!r}, "
             f"exclude_modules={exclude_modules!r}, filter_fn={getattr(filter_fn, '__name__', filter_fn)!r}; "
             f"the model's candidates are: {_preview(names)}{_already_sketched_note(model)}"
         )
@@ -133,7 +110,7 @@ def select_layers(
 
 def _already_sketched_note(model: nn.Module) -> str:
     """What to do when the model was converted before (its sketched layers are no candidates)."""
-    sketched = [fqn for fqn, module in model.named_modules() if isinstance(module, SKETCHED_TYPES)]
+    sketched = [fqn for fqn, module in model.named_modules() if isinstance(module, sketched_types())]
     if not sketched:
         return ""
     return (
@@ -175,7 +152,7 @@ def _structural_reason(record: LayerRecord) -> Optional[str]:
         return "the root module cannot be replaced in place; wrap it in a container (e.g. nn.Sequential)"
     if record.is_lazy:
         return "its parameters are not initialized yet (lazy module); run a forward pass first"
-    if module.weight.is_meta:
+    if record.kind.weight(module).is_meta:
         return (
             "its weight is on the meta device (no values to fit); load the weights first, or rebuild "
             "a converted layout with apply_conversion_config"
@@ -192,17 +169,7 @@ def _structural_reason(record: LayerRecord) -> Optional[str]:
             "its forward is replaced on the instance (a monkeypatch, or accelerate's device hooks), custom "
             "behaviour the sketched layer would drop"
         )
-    base = record.kind.base(type(module))
-    for method in record.kind.overridden:
-        if getattr(type(module), method) is not getattr(base, method):
-            return (
-                f"{type(module).__name__} overrides {base.__name__}.{method} (custom behaviour the sketched "
-                "layer would drop)"
-            )
-    groups = getattr(module, "groups", 1)
-    if groups != 1:
-        return f"{record.kind.sketched.__name__} supports only groups=1, this convolution has groups={groups}"
-    return None
+    return record.kind.custom_behaviour(module) or record.kind.unsupported(module)
 
 
 def _context_reason(model: nn.Module, record: LayerRecord, owners: ParameterOwners) -> Optional[str]:
@@ -212,10 +179,7 @@ def _context_reason(model: nn.Module, record: LayerRecord, owners: ParameterOwne
     for reader, children in _DIRECT_WEIGHT_READERS.items():
         if isinstance(parent, reader) and child in children:
             return f"its parent {type(parent).__name__} reads {child}.weight directly instead of calling it"
-    for attr in ("weight", "bias"):
-        tensor = getattr(record.module, attr)
-        if tensor is None:
-            continue
+    for attr, tensor in record.kind.tensors(record.module).items():
         others = [name for name, owner in owners.get(id(tensor), []) if owner is not record.module]
         if others:
             return f"{attr} is tied to {', '.join(others)} (the same Parameter)"

@@ -1,7 +1,7 @@
 """``tune``: the smallest global budget whose score stays within a tolerance of the dense score.
 
-The search variable is ``param_ratio`` of a global allocation (:mod:`.allocation`), searched
-in ``log(param_ratio)`` because what matters is the ratio between sizes. The score is assumed
+The search variable is ``param_ratio`` of a global allocation
+(:mod:`~panther_lite.conversion.planning.allocation`), searched in ``log(param_ratio)`` because what matters is the ratio between sizes. The score is assumed
 to grow with the budget (more rank never fits worse), so the passing budgets form an interval
 ``[ρ*, 1]``: the search keeps a bracket ``(failing, passing)``, first tries the bottom of
 the range, then bisects the bracket in log space until its ends are within ``resolution``
@@ -12,6 +12,7 @@ never touched; the model is left converted at ``ρ*`` only once the search has s
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import time
@@ -22,14 +23,17 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .allocation import BudgetTooSmall
-from .calibration import reiterable
-from .surgery import undo_swaps
+from .api import convert_undoable
+from .calibration.batches import CalibrationData
+from .config import ConvertConfig, make_config
+from .planning.allocation import BudgetTooSmall
+from .rules import progress_bar
+from .surgery import stored_numel, undo_swaps
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["tune", "plot_search", "SearchStep", "bisect_budget"]
+__all__ = ["tune", "SearchStep", "bisect_budget"]
 
 TRACE_COLUMNS = ["budget", "score", "stored_params", "stored_ratio", "seconds", "passed"]
 
@@ -91,39 +95,13 @@ def _search_trace(steps: List[SearchStep], dense_stored: int) -> "pd.DataFrame":
     return pd.DataFrame(rows, columns=TRACE_COLUMNS)
 
 
-def plot_search(report: "pd.DataFrame", ax=None):
-    """Score against the whole model's stored size for every budget :func:`tune` tried
-    (the dense model at ratio 1, the chosen budget marked). Returns the matplotlib Axes;
-    without ``ax`` a new pyplot-free figure is made (``ax.figure.savefig(...)`` to save)."""
-    trace = report.attrs["search"]
-    if ax is None:
-        from matplotlib.figure import Figure
-
-        ax = Figure(figsize=(5, 3.5)).subplots()
-    order = trace.sort_values("stored_ratio")
-    ax.plot(order["stored_ratio"], order["score"], "o-", color="tab:blue", label="trials")
-    threshold = report.attrs["tune_threshold"]
-    ax.axhline(threshold, color="tab:red", linestyle="--", label="dense score − tolerance")
-    chosen = trace[trace["budget"] == report.attrs["tune_budget"]]
-    ax.plot(chosen["stored_ratio"], chosen["score"], "*", color="tab:green", markersize=14, label="chosen")
-    ax.set_xlabel("stored size / dense model (U buffers included)")
-    ax.set_ylabel("score (higher is better)")
-    ax.legend(loc="lower right")
-    return ax
-
-
-def _check_tune_arguments(
-    model, evaluate, tolerance, ratio_range, resolution, max_evaluations, convert_kwargs
-) -> Tuple[float, float]:
+def _check_tune_arguments(model, evaluate, tolerance, ratio_range, resolution, max_evaluations) -> Tuple[float, float]:
     """Validate tune's own arguments; returns the ``(low, high)`` budgets searched."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not callable(evaluate):
         raise TypeError(f"evaluate must be a callable evaluate(model) -> float (higher is better), got {evaluate!r}")
     _check_number("tolerance", tolerance, 0.0, math.inf)
-    chosen = sorted({"param_ratio", "low_rank", "rank_pattern"} & set(convert_kwargs))
-    if chosen:
-        raise ValueError(f"tune chooses the budget itself: drop {chosen} (num_terms and other convert arguments are fine)")
     if not (isinstance(ratio_range, (tuple, list)) and len(ratio_range) == 2):
         raise ValueError(f"ratio_range must be a (low, high) pair of budgets in (0, 1], got {ratio_range!r}")
     low = _check_number("ratio_range low", ratio_range[0], 0.0, 1.0, closed_low=False)
@@ -131,14 +109,30 @@ def _check_tune_arguments(
     _check_number("resolution", resolution, 0.0, math.inf, closed_low=False)
     if isinstance(max_evaluations, bool) or not isinstance(max_evaluations, int) or max_evaluations < 1:
         raise ValueError(f"max_evaluations must be an integer >= 1, got {max_evaluations!r}")
-    data = convert_kwargs.get("calibration_data")
-    if data is not None and not callable(data) and not reiterable(data):
+    return low, high
+
+
+def _trial_config(config: Optional[ConvertConfig], convert_kwargs: dict, high: float) -> ConvertConfig:
+    """The config every trial varies (its ``param_ratio``): ``config`` with ``convert_kwargs``
+    (``allocation`` "global" unless given), progress bars off; ValueError when it fixes a size."""
+    chosen = sorted({"param_ratio", "low_rank", "rank_pattern"} & set(convert_kwargs))
+    if config is not None:
+        chosen += [name for name in ("low_rank", "rank_pattern") if getattr(config, name) is not None]
+    if chosen:
+        raise ValueError(f"tune chooses the budget itself: drop {chosen} (num_terms and other convert arguments are fine)")
+    if config is None:
+        convert_kwargs = {"allocation": "global", **convert_kwargs}
+    return make_config(config, {**convert_kwargs, "param_ratio": high, "progress": False}, caller="tune")
+
+
+def _check_data(calibration_data) -> None:
+    data = CalibrationData(calibration_data)
+    if data.given and not callable(calibration_data) and not data.reiterable:
         raise TypeError(
             "tune converts the model once per trial, each time running calibration_data: pass a list of batches, "
-            f"a DataLoader or a callable, not a one-shot iterator ({type(data).__name__}) that only the first "
-            "trial would see"
+            f"a DataLoader or a callable, not a one-shot iterator ({type(calibration_data).__name__}) that only the "
+            "first trial would see"
         )
-    return low, high
 
 
 def _score(evaluate, model: nn.Module) -> float:
@@ -151,12 +145,42 @@ def _score(evaluate, model: nn.Module) -> float:
     return float(score)
 
 
+class _Trials:
+    """``trial(budget) -> passed``: convert at ``budget`` (``run``), evaluate, undo; records every
+    step and keeps the report and new modules of the smallest passing budget."""
+
+    def __init__(self, model: nn.Module, evaluate, run, threshold: float) -> None:
+        self.model, self.evaluate, self.run, self.threshold = model, evaluate, run, threshold
+        self.steps: List[SearchStep] = []
+        self.bar = None
+        self.best_report, self.best_swaps = None, []
+
+    def __call__(self, budget: float) -> bool:
+        began = time.perf_counter()
+        report, log = self.run(budget)
+        try:
+            score, stored = _score(self.evaluate, self.model), stored_numel(self.model)
+            swaps = [(parent, child, getattr(parent, child)) for parent, child, _ in log]
+        finally:
+            undo_swaps(log)
+        passed = score >= self.threshold and bool((report["status"] == "converted").any())  # all dense: no pass
+        self.steps.append(SearchStep(budget, score, stored, time.perf_counter() - began, passed))
+        if passed:
+            self.best_report, self.best_swaps = report, swaps
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(budget=f"{budget:.3f}", score=f"{score:.4g}")
+        return passed
+
+
 def tune(
     model: nn.Module,
     evaluate: Callable[[nn.Module], float],
     *,
     tolerance: float,
     calibration_data=None,
+    config: Optional[ConvertConfig] = None,
+    example_inputs=None,
     ratio_range: Tuple[float, float] = (0.01, 1.0),
     resolution: float = 0.03,
     max_evaluations: int = 12,
@@ -174,87 +198,61 @@ def tune(
             kept dense, e.g. below uniform's per-layer minimum) never passes.
         tolerance: how much score may be lost: a budget passes when
             ``evaluate(converted) >= evaluate(dense) - tolerance``.
-        calibration_data: as for :func:`~panther_lite.convert` (recommended: the fits then
-            keep what the layers compute on real inputs); run once per trial, so a list, a
-            DataLoader or a callable, not a one-shot iterator (TypeError).
+        calibration_data, example_inputs: as for :func:`~panther_lite.convert` (calibration
+            recommended: the fits then keep what the layers compute on real inputs); run once
+            per trial, so a list, a DataLoader or a callable, not a one-shot iterator (TypeError).
+        config: a :class:`~panther_lite.ConvertConfig` every trial varies with
+            ``dataclasses.replace(config, param_ratio=budget)``; it must not fix ``low_rank``
+            or a ``rank_pattern`` (its ``param_ratio`` is replaced).
         ratio_range: ``(low, high)`` budgets searched (the whole selected layers' stored size
             as a fraction of dense); ``high`` is assumed to pass (1: everything dense).
         resolution: the search stops when the smallest passing and the largest failing
             budget are within this relative distance.
         max_evaluations: at most this many converted models are evaluated.
         progress: tqdm bars (None: on a terminal only).
-        **convert_kwargs: passed to :func:`~panther_lite.convert` (``target_modules``,
-            ``num_terms``, ``sequential``, ``allocation`` — default ``"global"`` — ...);
-            not the sizes, which tune chooses.
+        **convert_kwargs: ConvertConfig options (``target_modules``, ``num_terms``,
+            ``sequential``, ``allocation`` — default ``"global"`` without a ``config`` — ...),
+            replacing the ``config``'s; not the sizes, which tune chooses.
 
     Returns:
         The report of the final :func:`~panther_lite.convert` (all layers "kept dense" when
         no budget below ``high`` passed), with ``attrs["search"]``: a DataFrame of every
         evaluation (``budget``, ``score``, ``stored_params`` and ``stored_ratio`` of the whole
         model, ``seconds``, ``passed``; budget 1 is the dense model), ``attrs["tune_budget"]``
-        and ``attrs["tune_threshold"]``. :func:`plot_search` draws score against size.
+        and ``attrs["tune_threshold"]``. :func:`~panther_lite.plot_search` draws score against size.
 
     Raises:
         Whatever ``evaluate`` or ``convert`` raise; the model is then unchanged.
     """
-    from .api import convert_undoable
-    from .surgery import stored_numel
+    low, high = _check_tune_arguments(model, evaluate, tolerance, ratio_range, resolution, max_evaluations)
+    base = _trial_config(config, convert_kwargs, high)
+    _check_data(calibration_data)
 
-    checked = dict(convert_kwargs, calibration_data=calibration_data)
-    low, high = _check_tune_arguments(model, evaluate, tolerance, ratio_range, resolution, max_evaluations, checked)
-    convert_kwargs.setdefault("allocation", "global")
-    convert_kwargs.update(calibration_data=calibration_data, progress=False)  # tune shows one bar of its own
+    def run(budget: float):
+        trial_config = dataclasses.replace(base, param_ratio=budget)
+        return convert_undoable(model, trial_config, calibration_data=calibration_data, example_inputs=example_inputs)
+
     start = time.perf_counter()
-    dense_score = _score(evaluate, model)
-    dense_stored = stored_numel(model)
-    steps = [SearchStep(1.0, dense_score, dense_stored, time.perf_counter() - start, True)]
-    threshold = dense_score - tolerance
-    bar = _progress(max_evaluations, progress)
-    best = {}  # the smallest passing budget's report and (parent, name, new module) swaps
-
-    def trial(budget: float) -> bool:
-        began = time.perf_counter()
-        report, log = convert_undoable(model, param_ratio=budget, **convert_kwargs)
-        try:
-            score, stored = _score(evaluate, model), stored_numel(model)
-            swaps = [(parent, child, getattr(parent, child)) for parent, child, _ in log]
-        finally:
-            undo_swaps(log)
-        passed = score >= threshold and bool((report["status"] == "converted").any())  # all dense: no pass
-        steps.append(SearchStep(budget, score, stored, time.perf_counter() - began, passed))
-        if passed:
-            best.update(report=report, swaps=swaps)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(budget=f"{budget:.3f}", score=f"{score:.4g}")
-        return passed
-
+    dense_score, dense_stored = _score(evaluate, model), stored_numel(model)
+    trials = _Trials(model, evaluate, run, dense_score - tolerance)
+    trials.steps.append(SearchStep(1.0, dense_score, dense_stored, time.perf_counter() - start, True))
+    trials.bar = progress_bar(None, "tune", "evaluation", progress, total=max_evaluations)
     try:
         try:
-            found = bisect_budget(trial, low, high, resolution=resolution, max_evaluations=max_evaluations)
+            found = bisect_budget(trials, low, high, resolution=resolution, max_evaluations=max_evaluations)
         except BudgetTooSmall as error:  # only the bottom of the range can be: start from the smallest plan
             low = min(high, error.minimum_ratio * (1 + 1e-9))
-            found = bisect_budget(trial, low, high, resolution=resolution, max_evaluations=max_evaluations)
+            found = bisect_budget(trials, low, high, resolution=resolution, max_evaluations=max_evaluations)
     finally:
-        if bar is not None:
-            bar.close()
+        if trials.bar is not None:
+            trials.bar.close()
     budget = high if found is None else found
     if found is None:
-        report, _ = convert_undoable(model, param_ratio=budget, **convert_kwargs)
+        report, _ = run(budget)
     else:  # put the passing trial's fitted layers back instead of fitting them again
-        report = best["report"]
-        for parent, child, new in best["swaps"]:
+        report = trials.best_report
+        for parent, child, new in trials.best_swaps:
             setattr(parent, child, new)
+    threshold, steps = trials.threshold, trials.steps
     report.attrs.update(search=_search_trace(steps, dense_stored), tune_budget=budget, tune_threshold=threshold)
     return report
-
-
-def _progress(total: int, progress: Optional[bool]):
-    """A tqdm bar over the evaluations, or None (no bar: tqdm is not imported)."""
-    import sys
-
-    if progress is False or (progress is None and not sys.stderr.isatty()):
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="tune", unit="evaluation")

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional
 
 import torch.nn as nn
 
-from .calibration import ModelRun, evaluation_run
+from .calibration.batches import ModelRun, evaluation_run
 
 
 class ConversionError(RuntimeError):

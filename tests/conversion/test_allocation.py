@@ -1,4 +1,4 @@
-"""Global rank allocation: one budget for many layers (panther_lite.conversion.allocation)."""
+"""Global rank allocation: one budget for many layers (panther_lite.conversion.planning.allocation)."""
 import itertools
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from panther_lite.conversion.allocation import LayerSpectrum, allocate_budget, minimum_stored, whitened_energy
+from panther_lite.conversion.planning.allocation import LayerSpectrum, allocate_budget, minimum_stored, whitened_energy
 from panther_lite.nn.rank_selection import dense_size, select_config, sketch_size
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import panther_lite
-from panther_lite.conversion.pretrained import PRETRAINED_CONFIG_NAME
+from panther_lite.conversion.saving.pretrained import PRETRAINED_CONFIG_NAME
 from panther_lite.nn import SKLinear
 
 SIZE = dict(num_terms=1, low_rank=2)

@@ -12,9 +12,9 @@ import torch.nn as nn
 transformers = pytest.importorskip("transformers")
 
 import panther_lite  # noqa: E402
-import panther_lite.conversion.block_refinement  # noqa: E402
-from panther_lite.conversion.block_refinement import REFINEMENT_COLUMNS, BlockRefiner  # noqa: E402
-from panther_lite.conversion.blocks import hidden_states  # noqa: E402
+import panther_lite.conversion.fitting.block_refinement  # noqa: E402
+from panther_lite.conversion.fitting.block_refinement import REFINEMENT_COLUMNS, BlockRefiner  # noqa: E402
+from panther_lite.conversion.pipelines.blocks import hidden_states  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS = 64, 32, 3
@@ -125,8 +125,8 @@ def test_a_failure_while_refining_leaves_the_model_as_it_was(monkeypatch):
         refined.append(block_refinement_refine(parameters, predict, targets, **settings))
         return refined[-1]
 
-    block_refinement_refine = panther_lite.conversion.block_refinement.refine_block
-    monkeypatch.setattr(panther_lite.conversion.block_refinement, "refine_block", fail_on_the_second_block)
+    block_refinement_refine = panther_lite.conversion.fitting.block_refinement.refine_block
+    monkeypatch.setattr(panther_lite.conversion.fitting.block_refinement, "refine_block", fail_on_the_second_block)
     with pytest.raises(RuntimeError, match="interrupted"):
         _convert(model, refine={"max_steps": 5})
     assert refined and refined[0].steps > 0
@@ -155,13 +155,13 @@ def test_with_sequential_the_refined_block_feeds_the_next(monkeypatch):
 
 def test_a_bfloat16_model_is_refined_in_float32_and_stays_bfloat16(monkeypatch):
     dtypes = []
-    refine = panther_lite.conversion.block_refinement.refine_block
+    refine = panther_lite.conversion.fitting.block_refinement.refine_block
 
     def spy(parameters, predict, targets, **settings):
         dtypes.append(({p.dtype for p in parameters}, predict(0).dtype))
         return refine(parameters, predict, targets, **settings)
 
-    monkeypatch.setattr(panther_lite.conversion.block_refinement, "refine_block", spy)
+    monkeypatch.setattr(panther_lite.conversion.fitting.block_refinement, "refine_block", spy)
     model = _llama().to(torch.bfloat16)
     report = _convert(model, refine={"max_steps": 10, "lr": 3e-3})
     assert dtypes == [({torch.float32}, torch.float32)] * LAYERS

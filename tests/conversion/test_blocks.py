@@ -12,8 +12,9 @@ import torch.nn as nn
 transformers = pytest.importorskip("transformers")
 
 import panther_lite  # noqa: E402
-from panther_lite.conversion import block_pipeline  # noqa: E402
-from panther_lite.conversion.blocks import capture_inputs, find_blocks  # noqa: E402
+from panther_lite.conversion.calibration.batches import CalibrationData  # noqa: E402
+from panther_lite.conversion.pipelines import ByBlocks, Conversion, by_blocks  # noqa: E402
+from panther_lite.conversion.pipelines.blocks import capture_inputs, find_blocks  # noqa: E402
 from panther_lite.conversion.selection import select_layers  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
 
@@ -76,7 +77,7 @@ def test_a_named_block_list_is_used_and_a_bad_one_is_a_clear_error():
     with pytest.raises(ValueError, match="'lm_head' is a Linear; expected a non-empty nn.ModuleList"):
         _found(model, "lm_head")
     with pytest.raises(TypeError, match="blocks must be"):
-        _found(model, 3)
+        panther_lite.ConvertConfig(param_ratio=0.5, blocks=3)
 
 
 def test_a_model_without_a_block_list_falls_back_and_says_so():
@@ -121,7 +122,7 @@ def test_global_sequential_runs_with_finite_errors_and_keeps_the_cache_setting()
 def test_a_failure_in_a_later_block_undoes_every_swap(monkeypatch):
     model = _llama()
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    real, calls = block_pipeline.fit_planned, []
+    real, calls = by_blocks.fit_planned, []
 
     def fail_on_second_block(*args, **kwargs):
         calls.append(1)
@@ -129,7 +130,7 @@ def test_a_failure_in_a_later_block_undoes_every_swap(monkeypatch):
             raise RuntimeError("fit failed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(block_pipeline, "fit_planned", fail_on_second_block)
+    monkeypatch.setattr(by_blocks, "fit_planned", fail_on_second_block)
     with pytest.raises(RuntimeError, match="fit failed"):
         panther_lite.convert(model, param_ratio=0.5, calibration_data=_batches(), progress=False)
     assert not any(isinstance(module, SKLinear) for module in model.modules())
@@ -152,12 +153,10 @@ def test_each_fitted_block_offers_its_calls_targets_and_predictions():
         for index, target in enumerate(fitted.targets):
             assert fitted.predict(index).shape == target.shape == (2, 12, HIDDEN)
 
-    options = dict(
-        sequential=False, init="svd", seed=None, fit="auto", progress=False, calibration_device=None,
-        calibration_data=batches,
-    )
+    config = panther_lite.ConvertConfig(num_terms=1, low_rank=4, progress=False)
+    job = Conversion(model, config, CalibrationData(batches), records)
     with torch.no_grad():
-        block_pipeline.convert_by_blocks(model, records, block_list, calls, options, after_fit)
+        by_blocks.convert_by_blocks(job, block_list, calls, after_fit, ByBlocks(block_list, "", config).materialise)
     assert seen == list(range(LAYERS))
 
 

@@ -141,7 +141,7 @@ class TwoBranches(nn.Module):
 
 def test_output_gains_measure_how_much_a_layer_reaches_the_output():
     from panther_lite.conversion.selection import select_layers
-    from panther_lite.conversion.sensitivity import output_gains
+    from panther_lite.conversion.planning.sensitivity import output_gains
 
     torch.manual_seed(0)
     model = TwoBranches()

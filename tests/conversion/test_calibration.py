@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from panther_lite import convert
-from panther_lite.conversion.calibration import conv_patches
+from panther_lite.conversion.kinds.conv import conv_patches
 
 
 def test_failing_calibration_removes_hooks_and_restores_modes(trained_mlp, assert_unchanged):
@@ -97,7 +97,7 @@ CALIBRATION_DEVICES = [
 
 @pytest.mark.parametrize("model_device", CALIBRATION_DEVICES)
 def test_calibration_device_holds_grams_there_with_the_same_fit(monkeypatch, model_device):
-    calibration = importlib.import_module("panther_lite.conversion.calibration")
+    calibration = importlib.import_module("panther_lite.conversion.calibration.grams")
     recorded = []
 
     class Recording(calibration.GramRecorder):

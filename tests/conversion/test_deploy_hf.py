@@ -18,7 +18,7 @@ pytest.importorskip("safetensors")
 
 import panther_lite  # noqa: E402
 from panther_lite.conversion import FrozenLinear  # noqa: E402
-from panther_lite.conversion.hf_conv1d import SKLinearConv1D  # noqa: E402
+from panther_lite.conversion.kinds.hf_conv1d import SKLinearConv1D  # noqa: E402
 
 VOCAB = 64
 RELATIVE_TOLERANCE = 1e-4

@@ -173,7 +173,7 @@ def test_a_quantizer_that_skipped_sketched_layers_is_reported():
 def test_save_pretrained_warns_about_sketched_layers_beside_quantized_ones(tmp_path, monkeypatch):
     pytest.importorskip("safetensors")
     torchao = pytest.importorskip("torchao.quantization")
-    from panther_lite.conversion import pretrained
+    from panther_lite.conversion.saving import pretrained
 
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
     panther_lite.convert(model, target_modules=["2"], num_terms=1, low_rank=2)

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 import panther_lite  # noqa: E402
-from panther_lite.conversion.random_tokens import ordinary_token_ids  # noqa: E402
+from panther_lite.conversion.calibration.random_tokens import ordinary_token_ids  # noqa: E402
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[unused0]", "[unused1]", "<extra_id_0>"]
 WORDS = [f"w{i}" for i in range(200)]

@@ -1,5 +1,5 @@
 """Block-wise refinement of a converted block to the original block's outputs
-(panther_lite.conversion.refinement)."""
+(panther_lite.conversion.fitting.refinement)."""
 import copy
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import panther_lite
-from panther_lite.conversion.refinement import RefinementResult, refine_block
+from panther_lite.conversion.fitting.refinement import RefinementResult, refine_block
 from panther_lite.nn import SKLinear
 
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import panther_lite
 from panther_lite import apply_conversion_config, conversion_config, convert, tune
-from panther_lite.conversion.allocation import LayerSpectrum, allocate_budget
+from panther_lite.conversion.planning.allocation import LayerSpectrum, allocate_budget
 from panther_lite.nn import SKLinear
 
 pytest.importorskip("safetensors")
@@ -97,12 +97,12 @@ def test_a_nan_output_gain_falls_back_to_unit_gains_loudly(monkeypatch):
     """A model whose output goes non-finite under the noise probe gets a NaN gain: the budget
     is still spent (relative errors alone), with a warning naming the layer and saying why;
     never everything kept dense at twice the budget."""
-    import panther_lite.conversion.api as api
+    from panther_lite.conversion.pipelines import whole_model
 
     def gains(model, records, run):
         return {record.name: math.nan if record.name == "2" else 1.0 for record in records}
 
-    monkeypatch.setattr(api, "output_gains", gains)
+    monkeypatch.setattr(whole_model, "output_gains", gains)
     model, x = mlp(), torch.randn(64, 32)
     with pytest.warns(UserWarning, match=r"(?s)'2'.*non-finite.*gain"):
         report = convert(model, param_ratio=0.5, allocation="global", calibration_data=[x], progress=False)

@@ -1,5 +1,5 @@
 """Sequential calibration: layers fitted in model order to the original outputs, on the inputs
-the partly converted model gives them (panther_lite.conversion.sequential)."""
+the partly converted model gives them (panther_lite.conversion.fitting.sequential)."""
 import gc
 import weakref
 
@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 
 import panther_lite
-from panther_lite.conversion import sequential
-from panther_lite.conversion.shrinkage import RowMoments, shrink, shrinkage_intensity
+from panther_lite.conversion.fitting import sequential
+from panther_lite.conversion.calibration.shrinkage import RowMoments, shrink, shrinkage_intensity
 from panther_lite.nn import SKLinear
 
 

@@ -1,11 +1,12 @@
 """Ledoit–Wolf shrinkage of calibration Grams towards their diagonal
-(panther_lite.conversion.shrinkage) and where convert applies it."""
+(panther_lite.conversion.calibration.shrinkage) and where convert applies it."""
 import pytest
 import torch
 import torch.nn as nn
 
 import panther_lite
-from panther_lite.conversion.shrinkage import RowMoments, cluster_size, shrink, shrinkage_intensity
+from panther_lite.conversion.calibration.shrinkage import RowMoments, shrink, shrinkage_intensity
+from panther_lite.conversion.kinds.linear import cluster_size
 
 
 def correlated_rows(rows, width=32, seed=0):

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from panther_lite.conversion.tuning import bisect_budget, plot_search, tune
+from panther_lite.conversion.tuning import bisect_budget, tune
+from panther_lite.figures import plot_search
 from panther_lite.nn import SKLinear
 
 

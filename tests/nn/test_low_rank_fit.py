@@ -42,7 +42,7 @@ def test_relative_error():
 
 def test_errors_summed_in_row_slices_equal_the_whole_matrix_formulas(monkeypatch):
     """Slices of 7 rows (the limit lowered) give the same float64 errors as one pass."""
-    from panther_lite.conversion.fitting import output_error
+    from panther_lite.conversion.fitting.layer import output_error
 
     monkeypatch.setattr(low_rank_fit, "_FLOAT64_MAX_NUMEL", 7 * 30)
     assert [list(range(20))[s] for s in low_rank_fit.row_slices(20, 30)] == [

@@ -1,0 +1,102 @@
+"""Calibration data: its accepted forms (an iterable of batches or a callable ``fn(model)``),
+checked once; running one batch through a model; and the eval, no-grad run every stage uses."""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator, Mapping, Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+__all__ = ["CalibrationData", "ModelRun", "run_batch", "run_batch_or_callable", "evaluation_run"]
+
+ModelRun = Callable[[nn.Module], object]
+
+
+def run_batch(model: nn.Module, batch, index: Optional[int] = None) -> object:
+    """``model(b)`` for a Tensor, ``model(*b)`` for a tuple/list, ``model(**b)`` for a dict;
+    ``index`` (the batch's position, when known) goes into the error for any other batch."""
+    if batch is None:
+        where = "" if index is None else f" {index}"
+        raise TypeError(
+            f"calibration batch{where} is None; calibration_data must hold only batches (Tensor, tuple or dict)"
+        )
+    if isinstance(batch, Tensor):
+        return model(batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    raise TypeError(
+        f"calibration batches must be a Tensor (model(b)), a tuple/list (model(*b)) or a dict (model(**b)), "
+        f"got {type(batch).__name__}"
+    )
+
+
+def run_batch_or_callable(model: nn.Module, batch_or_fn, index: Optional[int] = None) -> object:
+    """``fn(model)`` for a callable calibration ``fn``, else :func:`run_batch`."""
+    return batch_or_fn(model) if callable(batch_or_fn) else run_batch(model, batch_or_fn, index)
+
+
+@contextlib.contextmanager
+def evaluation_run(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode under ``torch.no_grad()``; every module's training flag is
+    restored afterwards, also on error."""
+    training = {module: module.training for module in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            yield
+    finally:
+        for module, flag in training.items():
+            module.training = flag
+
+
+class CalibrationData:
+    """``convert``'s ``calibration_data``, checked once: None, a callable ``fn(model)`` or an
+    iterable of batches (TypeError otherwise). ``source`` is what was given; ``reiterable``
+    says whether the batches can be run again (a list, a DataLoader; not a callable or a
+    one-shot iterator)."""
+
+    def __init__(self, source) -> None:
+        if isinstance(source, Tensor):
+            raise TypeError(
+                "calibration_data must be an iterable of batches or a callable fn(model), got a single Tensor; "
+                "pass e.g. [x] or x.split(256)"
+            )
+        if source is not None and not callable(source):
+            if isinstance(source, (str, bytes)) or not isinstance(source, Iterable):
+                raise TypeError(f"calibration_data must be an iterable of batches or a callable fn(model), got {source!r}")
+        self.source = source
+        self.reiterable = source is not None and not callable(source) and iter(source) is not source
+
+    @property
+    def given(self) -> bool:
+        return self.source is not None
+
+    def first_batch(self):
+        """The first batch of re-iterable data (None when there is none)."""
+        return next(iter(self.source), None)
+
+    def check_sequential(self) -> None:
+        """ValueError without calibration data; TypeError unless it is a callable or can be
+        iterated more than once (what ``sequential=True`` needs)."""
+        if self.source is None:
+            raise ValueError("sequential=True fits each layer to calibration statistics: pass calibration_data")
+        if not callable(self.source) and not self.reiterable:
+            raise TypeError(
+                "sequential=True runs the calibration batches twice per layer group, pairing them batch by batch: "
+                "pass calibration_data as a list of batches, a DataLoader or a deterministic callable fn(model) "
+                "(not a one-shot iterator)"
+            )
+
+    def replay(self) -> Optional[ModelRun]:
+        """What runs a model once on this data: the callable itself, or the first batch of
+        re-iterable batches (None for no data, a one-shot iterator or no batch)."""
+        if callable(self.source):
+            return self.source
+        if not self.reiterable:
+            return None
+        first = self.first_batch()
+        return None if first is None else (lambda model: run_batch(model, first))

@@ -1,0 +1,86 @@
+"""Random-token calibration batches: a data-free prior over a language model's vocabulary,
+mixed into the user's calibration text so calibrated fits keep the input directions that
+text never visits.
+
+A calibrated fit spends its rank on the directions the calibration activations span; text
+from one domain leaves most of the vocabulary unseen, and the converted model loses quality
+on other text (all-MiniLM-L6-v2 at 50%, calibrated on 54 short sentences: embedding cosine
+0.87 on other sentences but 0.63 on Python docstrings). Sequences of tokens drawn uniformly
+from the ordinary vocabulary, wrapped in the tokenizer's special tokens, add every token's
+embedding direction (and the contextual mixtures the blocks make of them) to the statistics
+at a small cost in the calibration domain (0.86 / 0.70 with 256 such sequences of 16 tokens).
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Tuple
+
+import torch
+
+from ...nn.validation import check_int, check_positive_int
+
+__all__ = ["random_token_batches", "ordinary_token_ids"]
+
+# reserved vocabulary slots whose embeddings were never trained: BERT's [unused12], T5's
+# <extra_id_3>, Gemma's <unused7>, LLaMA-3's <|reserved_special_token_5|>
+_RESERVED = re.compile(r"^(\[unused\d+\]|<extra_id_\d+>|<unused\d+>|<\|reserved_special_token_\d+\|>)$")
+_TOKENIZER_METHODS = ("convert_ids_to_tokens", "__call__", "__len__")
+
+
+def _check_tokenizer(tokenizer) -> None:
+    missing = [name for name in _TOKENIZER_METHODS if not hasattr(tokenizer, name)]
+    if missing:
+        raise TypeError(
+            f"tokenizer must be a transformers tokenizer (with {', '.join(_TOKENIZER_METHODS)}), "
+            f"got {type(tokenizer).__name__} without {', '.join(missing)}"
+        )
+
+
+def _special_wrapping(tokenizer) -> Tuple[List[int], List[int]]:
+    """The special-token ids the tokenizer puts before and after one text's tokens (``[CLS]`` /
+    ``[SEP]``, ``<s>`` / none, none / none), read off its encoding of a one-word text."""
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    full = list(tokenizer("a")["input_ids"])
+    start = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), None)
+    if start is None or not plain:
+        return [], []
+    return full[:start], full[start + len(plain) :]
+
+
+def ordinary_token_ids(tokenizer) -> torch.Tensor:
+    """Ids (int64, ascending) of ``tokenizer``'s vocabulary without its special tokens and
+    reserved slots (``[unusedN]``, ``<extra_id_N>``, ``<unusedN>``, ``<|reserved_special_token_N|>``)."""
+    _check_tokenizer(tokenizer)
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    ids = [i for i, token in enumerate(tokens) if i not in special and not _RESERVED.match(str(token))]
+    if not ids:
+        raise ValueError("tokenizer: its vocabulary has no ordinary (non-special, non-reserved) token")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def random_token_batches(
+    tokenizer, count: int, length: int = 16, *, batch_size: int = 32, seed: int = 0
+) -> List[Dict[str, torch.Tensor]]:
+    """``count`` sequences of ``length`` tokens drawn uniformly (with replacement) from the
+    tokenizer's ordinary vocabulary (:func:`ordinary_token_ids`), each wrapped in its special
+    tokens as for one text (``[CLS] … [SEP]``, ``<s> …``), in batches of ``batch_size`` for
+    ``model(**batch)``: ``input_ids`` and ``attention_mask`` ``(rows, length + specials)``
+    (and ``token_type_ids`` of zeros where the tokenizer uses them). Append them to the
+    calibration batches of :func:`~panther_lite.conversion.convert`; ``seed`` makes them
+    reproducible."""
+    count, length = check_positive_int("count", count), check_positive_int("length", length)
+    batch_size, seed = check_positive_int("batch_size", batch_size), check_int("seed", seed, minimum=0)
+    vocabulary = ordinary_token_ids(tokenizer)
+    generator = torch.Generator().manual_seed(seed)
+    draws = vocabulary[torch.randint(len(vocabulary), (count, length), generator=generator)]
+    prefix, suffix = _special_wrapping(tokenizer)
+    rows = torch.cat([torch.tensor(prefix).expand(count, -1), draws, torch.tensor(suffix).expand(count, -1)], 1).long()
+    with_types = "token_type_ids" in getattr(tokenizer, "model_input_names", ())
+    batches = []
+    for ids in rows.split(batch_size):
+        batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+        if with_types:
+            batch["token_type_ids"] = torch.zeros_like(ids)
+        batches.append(batch)
+    return batches

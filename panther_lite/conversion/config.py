@@ -1,0 +1,345 @@
+"""The options of a conversion: :class:`ConvertConfig` (every option of ``convert`` but the model
+and the data), :class:`RefineConfig` and the size request, each validated once, when the config
+is made; and how ``convert``'s keyword overrides become a config."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import numbers
+import re
+from dataclasses import dataclass, field
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from ..nn.layer_base import INITS
+from ..nn.low_rank_fit import FIT_METHODS
+from ..nn.rank_selection import resolve_rank_multiple
+from ..nn.validation import check_choice, check_fraction, check_positive_int
+from ..sketch.random import check_seed
+from .rules import cache_device
+
+__all__ = ["ConvertConfig", "RefineConfig", "SizeRequest", "RankSpec", "ALLOCATIONS", "make_config"]
+
+RankSpec = Union[float, Tuple[int, int]]
+ModuleSelector = Union[str, Sequence[str], None]
+ModuleFilter = Callable[[nn.Module, str], bool]
+ALLOCATIONS = ("uniform", "global")
+
+
+def compile_regex(name: str, pattern: str) -> "re.Pattern":
+    """``re.compile(pattern)``; ValueError naming the argument when it is not a regex."""
+    try:
+        return re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"{name} {pattern!r} is not a valid regular expression: {error}") from None
+
+
+def check_selector(name: str, spec: ModuleSelector) -> None:
+    """TypeError/ValueError unless ``spec`` is None, a valid regex or a list of names."""
+    if spec is None:
+        return
+    if isinstance(spec, str):
+        compile_regex(name, spec)
+        return
+    if isinstance(spec, (list, tuple, set, frozenset)) and all(isinstance(entry, str) for entry in spec):
+        return
+    raise TypeError(f"{name} must be None, a regex string or a list of module names, got {spec!r}")
+
+
+def check_filter(filter_fn: Optional[ModuleFilter]) -> None:
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be a callable (module, fqn) -> bool, got {filter_fn!r}")
+
+
+def check_lr(lr, where: str = "refine_block: ") -> float:
+    """``lr`` as a float when it is a positive finite real number (ValueError otherwise)."""
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"{where}lr must be a positive finite number, got {lr!r}")
+    return float(lr)
+
+
+def check_holdout(holdout, where: str = "refine_block: ") -> float:
+    """``holdout`` as a float when it is a fraction in (0, 1) (ValueError otherwise)."""
+    if isinstance(holdout, bool) or not isinstance(holdout, numbers.Real) or not 0 < holdout < 1:
+        raise ValueError(f"{where}holdout must be a fraction in (0, 1) of the calls (or rows) held back, got {holdout!r}")
+    return float(holdout)
+
+
+@dataclass(frozen=True)
+class RefineConfig:
+    """Block-wise refinement's settings (:func:`~panther_lite.conversion.fitting.refinement.refine_block`):
+    at most ``max_steps`` Adam steps at learning rate ``lr``, ``holdout`` of the cached calls
+    held back for early stopping after ``patience`` steps without a new best."""
+
+    max_steps: int = 100
+    lr: float = 1e-3
+    holdout: float = 0.25
+    patience: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "patience"):
+            object.__setattr__(self, name, check_positive_int(f"refine[{name!r}]", getattr(self, name)))
+        object.__setattr__(self, "lr", check_lr(self.lr, "refine: "))
+        object.__setattr__(self, "holdout", check_holdout(self.holdout, "refine: "))
+
+    @classmethod
+    def from_option(cls, refine) -> Optional["RefineConfig"]:
+        """``convert``'s ``refine`` option as a RefineConfig: None for off (False / None), the
+        defaults for True or an empty dict, else the settings of the config or dict given."""
+        if refine is None or refine is False:
+            return None
+        if refine is True:
+            return cls()
+        if isinstance(refine, cls):
+            return refine
+        if not isinstance(refine, Mapping):
+            settings = tuple(field.name for field in dataclasses.fields(cls))
+            raise TypeError(
+                f"refine must be True, False or a dict of refine_block settings {settings} (or a RefineConfig), "
+                f"got {type(refine).__name__}"
+            )
+        unknown = sorted(str(key) for key in refine if key not in {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            settings = tuple(field.name for field in dataclasses.fields(cls))
+            raise ValueError(f"refine: unknown setting(s) {unknown}; expected some of {settings}")
+        return cls(**refine)
+
+
+@dataclass
+class SizeRequest:
+    """The validated size options: ``default``, the size of layers no pattern names (a ratio,
+    a ``(num_terms, low_rank)`` pair, or None); ``ratio_terms``: the ``num_terms`` used with
+    ratios; ``patterns``: ``[(regex, key, spec)]`` from ``rank_pattern``, first match wins."""
+
+    default: Optional[RankSpec]
+    ratio_terms: int
+    patterns: List[Tuple["re.Pattern", str, RankSpec]] = field(default_factory=list)
+
+    def spec_for(self, name: str) -> Tuple[Optional[RankSpec], Optional[str]]:
+        """``(spec, matching rank_pattern key or None)`` for the layer named ``name``."""
+        for regex, key, spec in self.patterns:
+            if regex.fullmatch(name):
+                return spec, key
+        return self.default, None
+
+
+def check_ratio(name: str, value) -> float:
+    """``value`` as a float in (0, 1]; ValueError naming ``name`` otherwise."""
+    return check_fraction(name, value, "stored size as a fraction of the dense layer")
+
+
+def _rank_spec(name: str, value) -> RankSpec:
+    """A ratio in (0, 1] or a ``(num_terms, low_rank)`` pair."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{name} must be a ratio or a (num_terms, low_rank) pair, got {value!r}")
+        return (check_positive_int(f"{name} num_terms", value[0]), check_positive_int(f"{name} low_rank", value[1]))
+    return check_ratio(name, value)
+
+
+def _default_size(num_terms, low_rank, param_ratio) -> Tuple[Optional[RankSpec], int]:
+    if param_ratio is not None:
+        if low_rank is not None:
+            raise ValueError(
+                "param_ratio chooses low_rank: pass param_ratio (optionally with num_terms), "
+                "or num_terms and low_rank, not both"
+            )
+        ratio_terms = 1 if num_terms is None else check_positive_int("num_terms", num_terms)
+        return check_ratio("param_ratio", param_ratio), ratio_terms
+    if num_terms is None and low_rank is None:
+        return None, 1
+    if num_terms is None or low_rank is None:
+        raise ValueError(
+            f"num_terms and low_rank go together (got num_terms={num_terms!r}, low_rank={low_rank!r}); "
+            "or pass param_ratio to choose low_rank per layer"
+        )
+    return (check_positive_int("num_terms", num_terms), check_positive_int("low_rank", low_rank)), num_terms
+
+
+def parse_sizes(num_terms, low_rank, param_ratio, rank_pattern) -> SizeRequest:
+    """Validate the size options (ValueError/TypeError on bad or contradictory ones)."""
+    default, ratio_terms = _default_size(num_terms, low_rank, param_ratio)
+    request = SizeRequest(default, ratio_terms)
+    if rank_pattern is not None:
+        if not isinstance(rank_pattern, Mapping):
+            raise TypeError(f"rank_pattern must be a dict {{regex: ratio or (num_terms, low_rank)}}, got {rank_pattern!r}")
+        for key, value in rank_pattern.items():
+            if not isinstance(key, str):
+                raise TypeError(f"rank_pattern keys must be regex strings, got {key!r}")
+            regex = compile_regex("rank_pattern key", rf"(?:.*\.)?(?:{key})")
+            request.patterns.append((regex, key, _rank_spec(f"rank_pattern[{key!r}]", value)))
+    if default is None and not request.patterns:
+        raise ValueError("give a size: param_ratio=..., or num_terms=... and low_rank=..., or a rank_pattern")
+    return request
+
+
+def _device(device) -> Optional[torch.device]:
+    """``calibration_device`` as a ``torch.device`` (None stays None); it must hold real values."""
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"calibration_device must be None, a str or a torch.device, got {device!r}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"calibration_device {device!r} is not a valid device: {error}") from None
+    if device.type == "meta":
+        raise ValueError(
+            "calibration_device='meta' holds no values, so no Gram could be accumulated; "
+            "pass None (each layer's own device) or a real device such as 'cpu'"
+        )
+    return device
+
+
+def _check_blocks(blocks) -> None:
+    if blocks is None or blocks is False or (isinstance(blocks, str) and not isinstance(blocks, bool)):
+        return
+    raise TypeError(f"blocks must be 'auto', None, False or a dotted module path, got {blocks!r}")
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    """Every option of :func:`~panther_lite.convert` but the model and the data, validated once,
+    here (TypeError / ValueError naming the option). Frozen: vary one with
+    ``dataclasses.replace(config, param_ratio=0.3)``. The conversion workflow in the docs
+    (``docs/workflows.rst``) details each rule.
+
+    Args:
+        target_modules: which layers (PEFT's semantics): None (every candidate),
+            ``"all-linear"``, a regex full-matched against the dotted name, or a list of names
+            or dotted suffixes (an entry matching no candidate is a ValueError naming it).
+        exclude_modules: same semantics; wins over ``target_modules``.
+        filter_fn: ``(module, fqn) -> bool``; a module converts only if it returns True.
+        num_terms, low_rank: ``L`` and ``k`` for every layer (with ``param_ratio``,
+            ``num_terms`` fixes ``L``, default 1).
+        param_ratio: stored size (U buffers included) as a fraction of the dense size, in
+            (0, 1]: of each layer (``allocation="uniform"``: the largest ``low_rank`` that
+            fits, so a layer stores at most it and, where a rank step allows, at least 90%)
+            or of all the layers it sizes together (``"global"``).
+        rank_pattern: ``{regex: ratio or (num_terms, low_rank)}`` per layer, first match wins.
+        allocation: ``"uniform"`` (``param_ratio`` per layer) or ``"global"``: one budget
+            for every layer the default ``param_ratio`` sizes, spent where it lowers the summed
+            relative squared output error most, predicted from each layer's whitened singular
+            spectrum (activation-aware with calibration data, the weight's own without; see
+            :mod:`~panther_lite.conversion.planning.allocation`) and weighted, with calibration
+            data, by the layer's measured gain to the model's output
+            (:mod:`~panther_lite.conversion.planning.sensitivity`); a layer no sketch beats, or
+            whose budget buys more elsewhere, stays dense with the reason.
+        align: ``low_rank`` rounding for tensor cores: ``"auto"`` rounds to the dtype's
+            multiple (8 for fp16/bf16, 4 for TF32) only for CUDA layers in a tensor-core
+            dtype; None never; an int to that multiple. Never where it would leave more than
+            10% of a layer's budget unused.
+        runtime_rows: the rows per call the model will run at (batch × tokens; batch ×
+            output positions for convolutions). With it, a layer whose sketch a FLOP plus
+            per-call-overhead model (:mod:`~panther_lite.conversion.planning.speed`) predicts
+            slower than dense at that size stays dense with the modelled times as the reason.
+        init: ``"svd"``: the best rank-``2Lk`` fit of each weight, or with calibration data
+            of each layer's outputs (whitened SVD); ``"sketch"``: the anchor's estimate.
+        fit: ``"auto"``, ``"exact"`` or ``"randomized"``: the fits' decomposition
+            (:mod:`panther_lite.nn.low_rank_fit`; "auto" is randomized on wide layers).
+        sequential: with calibration data given as a list of batches, a DataLoader or a
+            deterministic callable (run again, layer calls paired by order), fit the layers
+            in model order on the partly converted model, each to reproduce the original
+            layer's outputs from the inputs it now receives (reduced-rank regression,
+            :mod:`~panther_lite.conversion.fitting.sequential`): one group of layers'
+            statistics alive at a time; the batches run twice per group.
+        seed: makes ``init="sketch"`` and randomized fits reproducible (layer ``i`` of the
+            plan uses ``seed + i``).
+        calibration_device: where the Grams and cached activations live (None: each layer's
+            device for the Grams, the CPU for cached activations; not "meta").
+        blocks: convert block by block (:mod:`~panther_lite.conversion.pipelines.by_blocks`):
+            ``"auto"`` (or None) finds the repeated block list (the longest ``nn.ModuleList``
+            of two or more same-class children holding a layer to convert: ``model.layers``,
+            ``transformer.h``, ``encoder.layer``, ...), a dotted path names it, False never.
+            It needs calibration data given as re-iterable batches; otherwise, or without a
+            block list, the whole model is calibrated at once. ``attrs["pipeline"]`` of the
+            report says which ran and why (:func:`~panther_lite.conversion.pipelines.choose_pipeline`).
+        refine: block-wise refinement (needs the block pipeline): after each block's
+            closed-form fits, Adam on the factors and biases of the layers this call fitted in
+            it (earlier conversions' sketched layers untouched) so the converted block
+            reproduces the original block's outputs on the cached calibration inputs, stopping
+            early on held-back calls and keeping the best parameters seen there (in float32 for
+            a half-precision block). True (or ``{}``) for the defaults of :class:`RefineConfig`,
+            a dict of some of its settings, or a RefineConfig; stored as a RefineConfig (None
+            when off). ``attrs["refinement"]``: per block, the held-back output error before
+            and after; a refined layer reads ``init="...+refined"``.
+        progress: tqdm bars; None shows them on a terminal only.
+
+    ``sizes`` (not an argument) is the validated :class:`SizeRequest`.
+    """
+
+    target_modules: ModuleSelector = None
+    exclude_modules: ModuleSelector = None
+    filter_fn: Optional[ModuleFilter] = None
+    num_terms: Optional[int] = None
+    low_rank: Optional[int] = None
+    param_ratio: Optional[float] = None
+    rank_pattern: Optional[Mapping[str, RankSpec]] = None
+    allocation: str = "uniform"
+    init: str = "svd"
+    fit: str = "auto"
+    align: Union[None, str, int] = "auto"
+    runtime_rows: Optional[int] = None
+    sequential: bool = False
+    seed: Optional[int] = None
+    calibration_device: Union[str, torch.device, None] = None
+    blocks: Union[None, bool, str] = "auto"
+    refine: Union[bool, Mapping[str, float], RefineConfig, None] = False
+    progress: Optional[bool] = None
+    sizes: SizeRequest = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_selector("target_modules", self.target_modules)
+        check_selector("exclude_modules", self.exclude_modules)
+        check_filter(self.filter_fn)
+        check_choice("init", self.init, INITS)
+        check_choice("allocation", self.allocation, ALLOCATIONS)
+        check_choice("fit", self.fit, FIT_METHODS)
+        if not isinstance(self.sequential, bool):
+            raise TypeError(f"sequential must be True or False, got {self.sequential!r}")
+        set_field = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        set_field("seed", check_seed(self.seed))
+        set_field("calibration_device", _device(self.calibration_device))
+        if self.sequential and self.init != "svd":
+            raise ValueError("sequential=True fits each layer to the original outputs, which needs init='svd'")
+        resolve_rank_multiple(self.align, None, None)
+        if self.runtime_rows is not None:
+            set_field("runtime_rows", check_positive_int("runtime_rows", self.runtime_rows))
+        set_field("refine", RefineConfig.from_option(self.refine))
+        _check_blocks(self.blocks)
+        sizes = parse_sizes(self.num_terms, self.low_rank, self.param_ratio, self.rank_pattern)
+        if self.allocation == "global" and not isinstance(sizes.default, float):
+            raise ValueError(
+                "allocation='global' spreads one budget over the layers: pass param_ratio=... "
+                f"(the budget as a fraction of their dense size), not num_terms/low_rank (got {sizes.default!r})"
+            )
+        if self.rank_pattern is not None:
+            set_field("rank_pattern", dict(self.rank_pattern))
+        set_field("sizes", sizes)
+
+    @property
+    def cache_device(self) -> torch.device:
+        """Where cached block inputs and outputs live (:func:`~panther_lite.conversion.rules.cache_device`)."""
+        return cache_device(self.calibration_device)
+
+
+OPTIONS = tuple(f.name for f in dataclasses.fields(ConvertConfig) if f.init)
+
+
+def make_config(config: Optional[ConvertConfig], overrides: Mapping[str, object], caller: str = "convert"):
+    """The config a call runs with: ``config`` (None: the defaults) with ``overrides`` (option
+    names of :class:`ConvertConfig`) replaced. TypeError naming an unknown option and the
+    closest valid one, or a ``config`` that is not a ConvertConfig."""
+    for name in overrides:
+        if name not in OPTIONS:
+            close = difflib.get_close_matches(name, OPTIONS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"{caller}() got an unknown option {name!r}{hint} (the options are ConvertConfig's fields)")
+    if config is None:
+        return ConvertConfig(**overrides)
+    if not isinstance(config, ConvertConfig):
+        raise TypeError(f"config must be a panther_lite.ConvertConfig (or None), got {type(config).__name__}")
+    return dataclasses.replace(config, **overrides) if overrides else config

@@ -1,0 +1,127 @@
+"""Refining blocks as they are fitted: :class:`FittedBlock`, what the block pipeline hands its
+``after_fit`` hook, and :class:`BlockRefiner`, the hook ``convert(refine=...)`` uses: it refines
+the layers each block just got (:func:`~panther_lite.conversion.fitting.refinement.refine_block`)
+and records, per block, the output error before and after."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from ...nn.low_rank_fit import relative_error
+from ..calibration.batches import run_batch
+from ..config import RefineConfig
+from ..records import LayerRecord
+from .layer import FitResult
+from .refinement import refine_block
+
+__all__ = ["FittedBlock", "AfterFit", "BlockRefiner", "REFINEMENT_COLUMNS"]
+
+REFINEMENT_COLUMNS = ("block", "name", "error_before", "error_after", "steps", "stopped_early")
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class FittedBlock:
+    """A block just fitted and swapped into the model: where a block-wise refinement hooks in.
+
+    ``index`` / ``name``: the block's place in the block list and its dotted name;
+    ``records`` / ``fits``: the layers this conversion just fitted in it and their fits (the
+    new modules, already swapped in); ``runner``: the model seen through the block
+    (:class:`~panther_lite.conversion.pipelines.blocks.BlockRunner`); ``calls``: the cached
+    inputs the converted block receives; ``targets``: the original block's hidden-state
+    outputs it should reproduce, one per call (on the original stream's inputs under
+    ``sequential=True``, else on ``calls``); ``predict(i)``: the converted block's output on
+    ``calls[i]`` (with autograd, for refining its parameters)."""
+
+    index: int
+    name: str
+    block: nn.Module
+    runner: nn.Module
+    records: List[LayerRecord]
+    fits: Dict[str, FitResult]
+    calls: List[tuple]
+    targets: List[Tensor]
+
+    def predict(self, index: int) -> Tensor:
+        output = run_batch(self.runner, self.calls[index])
+        return output if isinstance(output, Tensor) else output[0]
+
+
+AfterFit = Callable[[FittedBlock], None]
+
+
+@contextlib.contextmanager
+def _only_these_train(block: nn.Module, parameters: List[nn.Parameter]) -> Iterator[None]:
+    """``block`` in eval mode (no dropout) with every parameter outside ``parameters``
+    frozen, so gradients reach only the refined ones; flags restored afterwards."""
+    chosen = {id(parameter) for parameter in parameters}
+    others = [p for p in block.parameters() if id(p) not in chosen and p.requires_grad]
+    training = {module: module.training for module in block.modules()}
+    block.eval()
+    for parameter in others:
+        parameter.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for parameter in others:
+            parameter.requires_grad_(True)
+        for module, flag in training.items():
+            module.training = flag
+
+
+@contextlib.contextmanager
+def _in_float32(block: nn.Module) -> Iterator[bool]:
+    """``block``'s float16/bfloat16 parameters and buffers held in float32 for the duration
+    (Adam's moments and small updates need it), then rounded back; yields whether any was."""
+    low = [t for t in itertools.chain(block.parameters(), block.buffers()) if t.dtype in _HALF_DTYPES]
+    dtypes = [t.dtype for t in low]
+    for tensor in low:
+        tensor.data = tensor.data.float()
+    try:
+        yield bool(low)
+    finally:
+        for tensor, dtype in zip(low, dtypes):
+            tensor.data = tensor.data.to(dtype)
+
+
+def _float32_calls(fitted: FittedBlock) -> FittedBlock:
+    """``fitted`` with the half-precision tensors of its cached calls in float32."""
+    widen = lambda value: value.float() if isinstance(value, torch.Tensor) and value.dtype in _HALF_DTYPES else value
+    return dataclasses.replace(fitted, calls=[tree_map(widen, call) for call in fitted.calls])
+
+
+class BlockRefiner:
+    """Called with each :class:`FittedBlock`: Adam on
+    the factors and biases of the layers this conversion just fitted in the block (in float32
+    for a half-precision block) so that the converted block reproduces the original block's
+    outputs on the cached calls, stopping early on held-back calls. A layer it changed reads
+    ``init="<fit>+refined"`` in the report with its ``weight_error`` measured again
+    (``output_error`` stays the closed-form fit's). ``results``: one dict per refined block
+    (``REFINEMENT_COLUMNS``); a block with no new layer is not refined."""
+
+    def __init__(self, settings: RefineConfig) -> None:
+        self.settings = dataclasses.asdict(settings)
+        self.results: List[dict] = []
+
+    def __call__(self, fitted: FittedBlock) -> None:
+        parameters = [p for fit in fitted.fits.values() for p in fit.module.parameters()]
+        if not parameters:
+            return
+        with _only_these_train(fitted.block, parameters), _in_float32(fitted.block) as widened:
+            work = _float32_calls(fitted) if widened else fitted
+            result = refine_block(parameters, work.predict, work.targets, progress=False, **self.settings)
+        self.results.append({"block": fitted.index, "name": fitted.name, **dataclasses.asdict(result)})
+        if result.error_after < result.error_before:
+            for record in fitted.records:
+                fit = fitted.fits[record.name]
+                weight = record.weight_matrix().detach()
+                fit.weight_error = relative_error(fit.module.effective_weight().detach().reshape_as(weight), weight)
+                fit.init = f"{fit.init}+refined"

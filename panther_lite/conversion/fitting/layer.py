@@ -1,0 +1,77 @@
+"""Fitting: build the sketched replacement of one planned layer from its weight and, with
+calibration, its input Gram; measure how far it is from the dense layer."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.nn as nn
+from torch import Tensor
+
+from ...nn.low_rank_fit import relative_error, row_slices
+from ..records import LayerRecord
+
+
+@dataclass
+class FitResult:
+    """A fitted replacement and the report's figures for it."""
+
+    module: nn.Module
+    init: str
+    trainable_params: int
+    stored_params: int
+    weight_error: float
+    output_error: float
+
+
+def output_error(weight: Tensor, approx: Tensor, gram: Tensor) -> float:
+    """``‖X(W−Ŵ)ᵀ‖_F / ‖XWᵀ‖_F`` from the Gram ``G = XᵀX``:
+    ``sqrt(trace((W−Ŵ) G (W−Ŵ)ᵀ) / trace(W G Wᵀ))``, with W, Ŵ as (fan_out, fan_in), summed a
+    few rows at a time in the Gram's dtype (no full float64 copy of a large weight)."""
+    weight = weight.detach().reshape(weight.shape[0], -1)
+    approx = approx.detach().reshape_as(weight)
+    numerator = denominator = gram.new_zeros(())
+    for rows in row_slices(*weight.shape):
+        w = weight[rows].to(gram)
+        diff = w - approx[rows].to(gram)
+        numerator = numerator + ((diff @ gram) * diff).sum()
+        denominator = denominator + ((w @ gram) * w).sum()
+    if denominator <= 0:
+        return math.nan
+    return math.sqrt(max(float(numerator / denominator), 0.0))
+
+
+def fit_layer(
+    record: LayerRecord,
+    init: str,
+    gram: Optional[Tensor],
+    seed: Optional[int],
+    fit: str = "auto",
+    fit_gram: Optional[Tensor] = None,
+) -> FitResult:
+    """The sketched layer of ``record``'s planned size. ``init="svd"`` with a ``gram`` fits
+    the outputs on the calibration data (``"calibrated"`` in the report), whitened by
+    ``fit_gram`` when given (a regularised ``gram``,
+    :mod:`~panther_lite.conversion.calibration.shrinkage`); ``output_error`` is
+    measured on ``gram`` itself, which is all it feeds for ``init="sketch"``. ``fit`` picks
+    the decomposition (``"auto"``, ``"exact"`` or ``"randomized"``, see
+    :mod:`panther_lite.nn.low_rank_fit`)."""
+    if fit_gram is None:
+        fit_gram = gram
+    fit_gram = fit_gram if init == "svd" and gram is not None else None
+    new = record.kind.build(
+        record.module, record.num_terms, record.low_rank, init=init, seed=seed, gram=fit_gram, fit=fit
+    )
+    record.kind.match_trainability(new, record.module)
+    weight = record.weight_matrix().detach()
+    approx = new.effective_weight().detach().reshape_as(weight)
+    counts = new.parameter_counts()
+    return FitResult(
+        module=new,
+        init="calibrated" if fit_gram is not None else init,
+        trainable_params=counts.trainable,
+        stored_params=counts.stored,
+        weight_error=relative_error(approx, weight),
+        output_error=math.nan if gram is None else output_error(weight, approx, gram),
+    )

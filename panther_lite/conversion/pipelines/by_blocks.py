@@ -1,0 +1,172 @@
+"""The by-blocks pipeline: calibrate, plan, fit and swap a model's repeated blocks one at a time
+on cached block inputs, so time grows linearly with depth and memory holds one block's
+statistics (plus the cached hidden states).
+
+The first block's inputs are captured once for every calibration batch
+(:func:`~panther_lite.conversion.pipelines.blocks.capture_inputs`). Then per block: its selected
+layers' Grams are recorded by running the block alone on the cached calls (the same tensors a
+whole-model forward feeds it, so a non-sequential fit is the same as on the whole model), the
+layers are fitted and swapped in, and the block is run once on the calls to produce the next
+block's inputs: the original block (before the swap), so every Gram comes from the dense model's
+activations as when the whole model is calibrated at once. ``sequential=True`` keeps two
+streams of calls, the original model's and the partly converted one's (the converted block
+feeds it): each layer is fitted to reproduce the original block's outputs from the inputs it
+now receives (:mod:`~panther_lite.conversion.fitting.sequential`). ``allocation="global"`` first
+makes one spectra pass over the dense blocks (:mod:`.spectra`). Selected layers outside the
+blocks (``lm_head``, a pooler) are calibrated and fitted on the whole model afterwards, as
+without blocks. Any failure undoes every swap.
+
+Each step that runs a block alone does so inside :meth:`ByBlocks.materialise` (default: the
+block moved to the calibration device and back) and the blocks' gains to the output come from
+:meth:`ByBlocks.block_gains`: the hooks a pipeline that loads blocks from disk overrides.
+"""
+from __future__ import annotations
+
+from typing import ContextManager, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..calibration.batches import CalibrationData, ModelRun, run_batch
+from ..calibration.grams import collect_grams
+from ..config import ConvertConfig
+from ..fitting.block_refinement import AfterFit, BlockRefiner, FittedBlock
+from ..fitting.layer import FitResult
+from ..fitting.planned import fit_planned
+from ..planning.sensitivity import block_output_gains
+from ..planning.sizes import PlanNote, plan_uniform
+from ..records import LayerRecord
+from ..rules import progress_bar
+from ..surgery import SwapLog, swap_modules, undo_swaps
+from .base import Conversion
+from .blocks import BlockCall, BlockList, BlockRunner, block_device, block_on, capture_inputs, hidden_states, run_block
+from .spectra import Materialise, plan_global_by_blocks
+
+
+def _fit_block(runner, here: List[LayerRecord], original, current, config: ConvertConfig, first_index: int):
+    """The fits of one block's layers, on the original and current streams of cached calls."""
+    if not here:
+        return {}
+    if config.sequential:
+        return fit_planned(runner, here, config, None, original, first_index=first_index, converted_batches=current)
+    calibration = collect_grams(runner, here, CalibrationData(current), False, config.calibration_device)
+    return fit_planned(runner, here, config, calibration, first_index=first_index)
+
+
+def _swap_sending_home(model: nn.Module, block_fits: Dict[str, FitResult], home: Optional[torch.device]) -> SwapLog:
+    """Swap the block's fitted layers in; the dense originals leave the block while it is on
+    the calibration device, so they go back to the block's own device now (an undo, or a
+    layer kept dense, puts them back into the model there)."""
+    swaps = swap_modules(model, [(name, fit.module) for name, fit in block_fits.items()])
+    if home is not None:
+        for _, _, original in swaps:
+            original.to(home)
+    return swaps
+
+
+def _convert_blocks(
+    model: nn.Module, todo: List[LayerRecord], block_list: BlockList, calls, config: ConvertConfig, log: SwapLog,
+    after_fit: Optional[AfterFit], materialise: Materialise,
+) -> Dict[str, FitResult]:
+    """Fit and swap the blocks' layers block by block (swaps appended to ``log``)."""
+    last = max((i for i in range(len(block_list.blocks)) if block_list.records_in(i, todo)), default=-1)
+    cache, device, fits = config.cache_device, config.calibration_device, {}
+    original = current = calls
+    for index, block in enumerate(progress_bar(block_list.blocks[: last + 1], "converting", "block", config.progress)):
+        here, where, home = block_list.records_in(index, todo), block_list.prefix(index)[:-1], block_device(block)
+        with materialise(index, block):
+            runner = BlockRunner(model, block, device)
+            first_index = todo.index(here[0]) if here else 0
+            block_fits = _fit_block(runner, here, original, current, config, first_index)
+            targets = run_block(runner, original, cache, where) if index < last or after_fit is not None else None
+            log += _swap_sending_home(model, block_fits, home)
+            fits.update(block_fits)
+            if after_fit is not None:
+                outputs = [hidden_states(call) for call in targets]
+                after_fit(FittedBlock(index, where, block, runner, here, block_fits, current, outputs))
+            if index < last:
+                current = run_block(runner, current, cache, where) if config.sequential else targets
+                original = targets
+    return fits
+
+
+def convert_by_blocks(
+    job: Conversion, block_list: BlockList, calls: List[BlockCall], after_fit: Optional[AfterFit],
+    materialise: Materialise,
+) -> Tuple[Dict[str, FitResult], SwapLog]:
+    """Fit and swap ``job.todo`` (sizes planned): the blocks' layers block by block on ``calls``
+    (the first block's cached inputs), each inside ``materialise(index, block)``, then the
+    layers outside the blocks on the whole model.
+    Without ``sequential``, every Gram is recorded on the dense model's activations (the
+    original block feeds the next), as when the whole model is calibrated at once.
+    ``after_fit`` is called with each :class:`~panther_lite.conversion.fitting.block_refinement.FittedBlock`.
+    Returns the fits and the swap log; on any error every swap is undone first."""
+    model, todo, config, log = job.model, job.todo, job.config, []
+    outside = [record for record in todo if not block_list.inside(record)]
+    calibration = None
+    if outside and not config.sequential:  # on the dense model, like the blocks' Grams
+        calibration = collect_grams(model, outside, job.data, False, config.calibration_device)
+    try:
+        fits = _convert_blocks(model, todo, block_list, calls, config, log, after_fit, materialise)
+        if outside:
+            # sequential: the original runs are the dense model's, so the blocks are swapped out
+            undo_swaps(log)
+            log.clear()
+            prefitted = {name: fit.module for name, fit in fits.items()}
+            fits.update(fit_planned(
+                model, outside, config, calibration, job.data.source, first_index=todo.index(outside[0]),
+                prefitted=prefitted,
+            ))
+        log += swap_modules(model, [(name, fit.module) for name, fit in fits.items()])
+    except BaseException:
+        undo_swaps(log)
+        raise
+    return fits, log
+
+
+class ByBlocks:
+    """The pipeline converting a model's block list block by block (see the module docstring).
+
+    ``description`` is the report's ``attrs["pipeline"]``; with a ``refine`` config each block
+    is refined after its fits (:class:`~panther_lite.conversion.fitting.block_refinement.BlockRefiner`).
+    """
+
+    name = "block pipeline"
+
+    def __init__(self, block_list: BlockList, description: str, config: ConvertConfig) -> None:
+        self.block_list, self.description = block_list, description
+        self.device = config.calibration_device
+        self.refiner = None if config.refine is None else BlockRefiner(config.refine)
+        self.calls: List[BlockCall] = []
+        self.job: Optional[Conversion] = None
+
+    def materialise(self, index: int, block: nn.Module) -> ContextManager:
+        """The hook around every step that runs block ``index`` alone: the block ready to run
+        for the duration (here: moved to the calibration device, then back), released after."""
+        return block_on(block, self.device)
+
+    def block_gains(self, blocks: List[nn.Module]) -> List[float]:
+        """The hook giving each block's squared gain to the model's output (global allocation):
+        here one forward and backward of the first calibration batch through the whole model."""
+        first = self.job.data.first_batch()
+        return block_output_gains(self.job.model, blocks, lambda module: run_batch(module, first))
+
+    def plan(self, job: Conversion) -> Dict[str, PlanNote]:
+        """Capture the first block's inputs, size the layers (a global plan from one spectra pass)."""
+        config, self.job = job.config, job
+        self.calls = capture_inputs(job.model, self.block_list, job.data.source, config.cache_device, config.progress)
+        notes, pooled = plan_uniform(job.records, config)
+        if pooled:
+            notes.update(plan_global_by_blocks(
+                job.model, pooled, self.block_list, self.calls, config, job.data, self.materialise, self.block_gains
+            ))
+        return notes
+
+    def fit(self, job: Conversion) -> Tuple[Dict[str, FitResult], SwapLog]:
+        return convert_by_blocks(job, self.block_list, self.calls, self.refiner, self.materialise)
+
+    def replay(self, job: Conversion) -> Optional[ModelRun]:
+        return job.data.replay()
+
+    def report_attrs(self) -> dict:
+        return {} if self.refiner is None else {"refinement": self.refiner.results}

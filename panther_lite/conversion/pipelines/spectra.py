@@ -1,0 +1,79 @@
+"""The spectra pass of the block pipeline: a global allocation's statistics read block by block.
+
+One pass over the dense blocks on the cached calls: each pooled layer's whitened spectrum (its
+Gram freed at once) and its gain measured at its block's output
+(:func:`~panther_lite.conversion.planning.sensitivity.output_gains` with the block as the
+model) times the block's gain to the model's output (one forward and backward of the first
+batch for all blocks, :func:`~panther_lite.conversion.planning.sensitivity.block_output_gains`);
+pooled layers outside the blocks are calibrated on the whole model (their gain measured at the
+model's output). Then :func:`~panther_lite.conversion.planning.global_plan.plan_global` sizes
+every pooled layer.
+"""
+from __future__ import annotations
+
+from typing import Callable, ContextManager, Dict, List, Tuple
+
+import torch.nn as nn
+
+from ..calibration.batches import CalibrationData
+from ..calibration.grams import collect_grams
+from ..config import ConvertConfig
+from ..planning.allocation import whitened_energy
+from ..planning.global_plan import plan_global
+from ..planning.sensitivity import output_gains
+from ..planning.sizes import PlanNote, rank_multiple_for
+from ..records import LayerRecord
+from ..rules import progress_bar
+from .blocks import BlockCall, BlockList, BlockRunner, run_block
+
+Materialise = Callable[[int, nn.Module], ContextManager]
+BlockGains = Callable[[List[nn.Module]], List[float]]
+
+
+def _spectra(model: nn.Module, pooled: List[LayerRecord], data: CalibrationData, device) -> Tuple[dict, dict]:
+    """``({name: whitened spectrum}, {name: squared gain at model's output})`` of ``pooled``
+    calibrated on ``data``; each Gram is freed as soon as its spectrum is taken."""
+    calibration = collect_grams(model, pooled, data, False, device)
+    energies = {}
+    for record in pooled:
+        recorder = calibration.recorders.get(record.name)
+        energies[record.name] = whitened_energy(record.weight_matrix(), None if recorder is None else recorder.fit_gram())
+        calibration.release(record.name)
+    return energies, output_gains(model, pooled, calibration.replay)
+
+
+def spectra_pass(
+    model: nn.Module, pooled: List[LayerRecord], block_list: BlockList, calls: List[BlockCall],
+    config: ConvertConfig, data: CalibrationData, materialise: Materialise, block_gains: BlockGains,
+) -> Tuple[Dict[str, object], Dict[str, float]]:
+    """``(energies, gains)`` of every pooled layer (see the module docstring); each block is
+    run inside ``materialise(index, block)``; ``block_gains(blocks)`` gives the squared gain of
+    each block's output to the model's output."""
+    last = max((i for i in range(len(block_list.blocks)) if block_list.records_in(i, pooled)), default=-1)
+    outside = [record for record in pooled if not block_list.inside(record)]
+    device = config.calibration_device
+    energies, gains = _spectra(model, outside, data, device) if outside else ({}, {})
+    gains_to_output = block_gains(block_list.blocks[: last + 1])
+    blocks = progress_bar(block_list.blocks[: last + 1], "measuring spectra", "block", config.progress)
+    for index, block in enumerate(blocks):
+        here = block_list.records_in(index, pooled)
+        with materialise(index, block):
+            runner = BlockRunner(model, block, device)
+            if here:
+                block_energies, within = _spectra(runner, here, CalibrationData(calls), device)
+                energies.update(block_energies)
+                gains.update({name: gain * gains_to_output[index] for name, gain in within.items()})
+            if index < last:
+                calls = run_block(runner, calls, config.cache_device, block_list.prefix(index)[:-1])
+    return energies, gains
+
+
+def plan_global_by_blocks(
+    model: nn.Module, pooled: List[LayerRecord], block_list: BlockList, calls: List[BlockCall],
+    config: ConvertConfig, data: CalibrationData, materialise: Materialise, block_gains: BlockGains,
+) -> Dict[str, PlanNote]:
+    """:func:`~panther_lite.conversion.planning.global_plan.plan_global` over ``pooled`` from
+    one :func:`spectra_pass` over the dense blocks."""
+    energies, gains = spectra_pass(model, pooled, block_list, calls, config, data, materialise, block_gains)
+    sizes = config.sizes
+    return plan_global(pooled, sizes.default, sizes.ratio_terms, rank_multiple_for(config.align), {}, gains, energies)

@@ -1,0 +1,92 @@
+"""Global sizes: one stored-entry budget spread over the pooled layers (:mod:`.allocation`),
+weighted by each layer's gain to the model's output (:mod:`.sensitivity`)."""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Dict, List, Optional
+
+from torch import Tensor
+
+from ...nn import sketch_size
+from ..records import KEPT_DENSE, LayerRecord
+from .allocation import BudgetTooSmall, LayerSpectrum, allocate_budget, whitened_energy
+from .sizes import PlanNote, RankMultiple
+
+
+def plan_global(
+    records: List[LayerRecord],
+    ratio: float,
+    num_terms: int,
+    multiple_of: RankMultiple,
+    grams: Dict[str, Optional[Tensor]],
+    gains: Dict[str, float],
+    energies: Optional[Dict[str, Tensor]] = None,
+) -> Dict[str, PlanNote]:
+    """Size ``records`` together so their stored entries stay within ``ratio`` of their dense
+    size, minimising the summed relative squared output error predicted from each layer's
+    whitened spectrum (``grams[name]``, or the weight's own spectrum when None), each weighted
+    by the layer's squared gain to the model's output (``gains[name]``, default 1; see
+    :mod:`.sensitivity`); layers the budget is better spent keeping dense, or no sketch
+    beats, are kept dense. Gains that are not finite numbers >= 0 (a model whose output goes
+    non-finite under the sensitivity probe) are dropped with a warning naming the layers:
+    the plan then weighs every layer alike (relative errors alone). ``energies[name]``, when
+    given, is the layer's whitened spectrum already computed
+    (:func:`~panther_lite.conversion.planning.allocation.whitened_energy`), its Gram freed."""
+    gains = _usable_gains(gains)
+    energies = {} if energies is None else energies
+    budget = ratio * sum(record.dense_params for record in records)
+    spectra = [
+        LayerSpectrum(
+            record.fan_in, record.fan_out, record.has_bias,
+            energies[record.name] if record.name in energies
+            else whitened_energy(record.weight_matrix(), grams.get(record.name)),
+            importance=gains.get(record.name, 1.0), multiple=multiple_of(record),
+        )
+        for record in records
+    ]
+    try:
+        plan = allocate_budget(spectra, budget, num_terms=num_terms)
+    except BudgetTooSmall as error:
+        dense = sum(record.dense_params for record in records)
+        message = f"param_ratio={ratio:g} with allocation='global' is below {error.minimum / dense:.4g}: {error}"
+        raise BudgetTooSmall(message, error.minimum, error.minimum / dense) from None
+    notes = {}
+    for record, spectrum, allocation in zip(records, spectra, plan):
+        share = allocation.stored / budget
+        if allocation.low_rank is None:
+            cheapest = sketch_size(record.fan_in, record.fan_out, num_terms, 1, record.has_bias).stored
+            record.skip(KEPT_DENSE, _dense_reason(record, cheapest, share))
+        else:
+            record.num_terms, record.low_rank = num_terms, allocation.low_rank
+        aligned = record.to_convert and allocation.low_rank % spectrum.multiple == 0
+        notes[record.name] = PlanNote(rank_multiple=spectrum.multiple if aligned else 1, budget_share=share)
+    return notes
+
+
+def _usable_gains(gains: Dict[str, float]) -> Dict[str, float]:
+    """``gains``, or ``{}`` (every layer weighted 1) with a warning when any is NaN, infinite
+    or negative: one unusable weight makes the errors incomparable."""
+    bad = sorted(name for name, gain in gains.items() if not (math.isfinite(gain) and gain >= 0))
+    if not bad:
+        return gains
+    warnings.warn(
+        f"allocation='global': layers {bad[:5]} have a non-finite output gain (the model's output went NaN/inf "
+        "when noise was added to their outputs on the calibration batch), so the gains cannot weigh the layers' "
+        "errors; allocating with every layer weighted alike (relative output errors alone)",
+        UserWarning,
+        stacklevel=4,
+    )
+    return {}
+
+
+def _dense_reason(record: LayerRecord, cheapest: int, share: float) -> str:
+    if cheapest >= record.dense_params:
+        return (
+            f"no sketch stores fewer parameters than the dense layer's {record.dense_params:,} "
+            f"(rank 1 stores {cheapest:,})"
+        )
+    return (
+        f"the global budget is better spent keeping it dense ({share:.1%} of the budget): a sketch small enough "
+        "to pay for itself would lose more of its output than the rank it buys elsewhere"
+    )

@@ -1,0 +1,85 @@
+"""The per-layer record of a conversion: one candidate layer, its kind and sizes, and what
+convert decided for it (converted, kept dense or skipped, with the reason)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ..nn import dense_size
+from ..nn.validation import check_finite
+
+CONVERTED, KEPT_DENSE, SKIPPED = "converted", "kept dense", "skipped"
+
+
+@dataclass
+class LayerRecord:
+    """One selected layer and its :class:`~panther_lite.conversion.kinds.LayerKind`.
+    ``status`` starts as ``"converted"`` (planned) and becomes ``"kept dense"`` or
+    ``"skipped"`` with a ``reason``; a planner sets ``num_terms`` and ``low_rank`` of the
+    layers it converts."""
+
+    name: str
+    module: nn.Module
+    kind: object
+    status: str = CONVERTED
+    reason: str = ""
+    num_terms: Optional[int] = None
+    low_rank: Optional[int] = None
+
+    @property
+    def to_convert(self) -> bool:
+        return self.status == CONVERTED
+
+    @property
+    def has_bias(self) -> bool:
+        return self.kind.bias(self.module) is not None
+
+    @property
+    def is_lazy(self) -> bool:
+        return isinstance(self.kind.weight(self.module), nn.parameter.UninitializedParameter)
+
+    @property
+    def device(self) -> torch.device:
+        return self.kind.weight(self.module).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kind.weight(self.module).dtype
+
+    @property
+    def shape(self) -> Optional[tuple]:
+        """The dense weight's shape in the module's own layout (None while lazy)."""
+        return None if self.is_lazy else tuple(self.kind.weight(self.module).shape)
+
+    def weight_matrix(self) -> Tensor:
+        """The weight as a ``(fan_out, fan_in)`` matrix (a view): ``y = x·Wᵀ`` for the linear
+        kinds, the kernel's unfolding ``C_out × (C_in·k1·k2·…)`` for convolutions."""
+        return self.kind.weight_matrix(self.module)
+
+    @property
+    def fan_in(self) -> int:
+        return self.weight_matrix().shape[1]
+
+    @property
+    def fan_out(self) -> int:
+        return self.weight_matrix().shape[0]
+
+    @property
+    def dense_params(self) -> int:
+        """Parameters of the dense layer (0 while a lazy module is uninitialized)."""
+        return 0 if self.is_lazy else dense_size(self.fan_in, self.fan_out, self.has_bias)
+
+    def skip(self, status: str, reason: str) -> None:
+        self.status, self.reason = status, reason
+
+
+def check_finite_weights(records: List[LayerRecord]) -> None:
+    """ValueError naming the first layer whose weight or bias holds inf or NaN (a fit of it
+    would spread the bad entries over every output)."""
+    for record in records:
+        for attr, tensor in record.kind.tensors(record.module).items():
+            check_finite(attr, tensor, layer=record.name)
