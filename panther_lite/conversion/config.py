@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import numbers
 import re
@@ -300,7 +301,7 @@ class ConvertConfig:
         check_choice("fit", self.fit, FIT_METHODS)
         if not isinstance(self.sequential, bool):
             raise TypeError(f"sequential must be True or False, got {self.sequential!r}")
-        set_field = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        set_field = functools.partial(object.__setattr__, self)  # the dataclass is frozen
         set_field("seed", check_seed(self.seed))
         set_field("calibration_device", _device(self.calibration_device))
         if self.sequential and self.init != "svd":

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..nn import dense_size
 from ..nn.validation import check_finite
+from .kinds.base import LayerKind
 
 CONVERTED, KEPT_DENSE, SKIPPED = "converted", "kept dense", "skipped"
 
@@ -24,7 +25,7 @@ class LayerRecord:
 
     name: str
     module: nn.Module
-    kind: object
+    kind: LayerKind
     status: str = CONVERTED
     reason: str = ""
     num_terms: Optional[int] = None
