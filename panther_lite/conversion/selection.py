@@ -144,7 +144,7 @@ def _reparametrization(module: nn.Module) -> Optional[str]:
     return None
 
 
-def _structural_reason(record: LayerRecord) -> Optional[str]:
+def _structural_reason(record: LayerRecord, meta_loaded_later: bool) -> Optional[str]:
     """Why the module itself cannot be replaced (root, lazy, meta, custom forward on the class or
     the instance, groups)."""
     module = record.module
@@ -152,7 +152,7 @@ def _structural_reason(record: LayerRecord) -> Optional[str]:
         return "the root module cannot be replaced in place; wrap it in a container (e.g. nn.Sequential)"
     if record.is_lazy:
         return "its parameters are not initialized yet (lazy module); run a forward pass first"
-    if record.kind.weight(module).is_meta:
+    if record.kind.weight(module).is_meta and not meta_loaded_later:
         return (
             "its weight is on the meta device (no values to fit); load the weights first, or rebuild "
             "a converted layout with apply_conversion_config"
@@ -186,14 +186,16 @@ def _context_reason(model: nn.Module, record: LayerRecord, owners: ParameterOwne
     return None
 
 
-def mark_unconvertible(model: nn.Module, records: List[LayerRecord]) -> None:
+def mark_unconvertible(model: nn.Module, records: List[LayerRecord], *, meta_loaded_later: bool = False) -> None:
     """Mark ``"skipped"``, with the reason, each selected layer that cannot be swapped
-    without changing what the model computes or breaking the code around it."""
+    without changing what the model computes or breaking the code around it. A layer whose
+    weight is on the meta device has no values to fit, unless ``meta_loaded_later`` (a pipeline
+    that loads each block's weights itself before fitting it)."""
     owners = parameter_owners(model)
     for record in records:
         reason = (
             adapter_skip_reason(record.module, record.name)
-            or _structural_reason(record)
+            or _structural_reason(record, meta_loaded_later)
             or _context_reason(model, record, owners)
         )
         if reason is not None:

@@ -13,6 +13,7 @@ import panther_lite
 from panther_lite.conversion.api import run_pipeline
 from panther_lite.conversion.calibration.batches import CalibrationData
 from panther_lite.conversion.pipelines import ByBlocks, Conversion, WholeModel, choose_pipeline
+from panther_lite.conversion.planning.sizes import plan_uniform
 from panther_lite.conversion.selection import mark_unconvertible, select_layers
 
 
@@ -118,3 +119,20 @@ def test_each_block_runs_alone_only_inside_materialise_and_the_model_is_the_defa
     got, want = model.state_dict(), expected.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     assert report.equals(expected_report)
+
+
+def test_a_pipeline_loading_weights_later_can_select_and_size_a_meta_model():
+    """The out-of-core seam: a skeleton on the meta device is selected (not skipped) and sized
+    when its pipeline says it loads the weights itself; convert itself still skips meta layers."""
+    with torch.device("meta"):
+        model = Stack()
+    records = select_layers(model, None, None, None)
+    mark_unconvertible(model, records)
+    assert {record.status for record in records} == {"skipped"}
+    assert "meta device" in records[0].reason
+    records = select_layers(model, None, None, None)
+    mark_unconvertible(model, records, meta_loaded_later=True)
+    assert {record.status for record in records} == {"converted"}
+    config = panther_lite.ConvertConfig(param_ratio=0.5, progress=False)
+    notes, pooled = plan_uniform(records, config)
+    assert pooled == [] and [r.low_rank for r in records if r.to_convert] == [2, 2, 2, 2, 2, 2]
