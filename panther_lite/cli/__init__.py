@@ -7,6 +7,7 @@ from typing import List, Optional
 
 from .checkpoint import CommandError
 from .compress import add_compress_command
+from .signals import TERMINATED, Terminated, sigterm_raises
 
 __all__ = ["main", "build_parser", "CommandError"]
 
@@ -26,17 +27,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run a command (``argv`` without the program name; None: ``sys.argv[1:]``) and return
     its exit status: 0 on success, 1 with one line on stderr for bad input or a failed
-    conversion, 2 for bad options (argparse's usage message), 130 on Ctrl-C."""
+    conversion, 2 for bad options (argparse's usage message), 130 on Ctrl-C, 143 on SIGTERM
+    (both clean up as a failure does)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_request:  # --help, or argparse rejected an option
         return exit_request.code if isinstance(exit_request.code, int) else 2
     try:
-        return args.run(args)
+        with sigterm_raises():
+            return args.run(args)
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted; nothing was written", file=sys.stderr)
         return INTERRUPTED
+    except Terminated:
+        print(f"{PROG} {args.command}: terminated (SIGTERM); nothing was written", file=sys.stderr)
+        return TERMINATED
     except _INPUT_ERRORS as error:
         one_line = " ".join(str(error).split())  # library messages may span lines
         print(f"{PROG} {args.command}: error: {one_line}", file=sys.stderr)

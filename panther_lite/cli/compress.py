@@ -168,12 +168,14 @@ def _warn_if_few_tokens(model: nn.Module, tokens: int) -> None:
               file=sys.stderr)
 
 
+def _inputs(args: argparse.Namespace) -> dict:
+    """What OUT_DIR must never be, hold or lie inside, by the name the messages give it."""
+    return {"MODEL_DIR": args.model_dir, "the calibration file": args.calibration}
+
+
 def _check_paths(args: argparse.Namespace) -> None:
     check_model_dir(args.model_dir)
-    output = Path(os.path.abspath(args.output))
-    if output == Path(os.path.abspath(args.model_dir)) or Path(os.path.abspath(args.model_dir)) in output.parents:
-        raise CommandError(f"OUT_DIR {str(args.output)!r} is MODEL_DIR or inside it: choose another directory")
-    check_output_dir(output, args.overwrite)
+    check_output_dir(args.output, args.overwrite, _inputs(args))
 
 
 def _save_refinement(rows: List[dict], path: Path, say) -> None:
@@ -196,7 +198,8 @@ def run_compress(args: argparse.Namespace) -> int:
     _check_paths(args)
     samples = read_samples(args.calibration, args.max_samples)
     options = convert_options(args)
-    with _transformers_bars(shown=not args.quiet), staged_directory(args.output, args.overwrite) as staging:
+    staging_directory = staged_directory(args.output, args.overwrite, _inputs(args))
+    with _transformers_bars(shown=not args.quiet), staging_directory as staging:
         model, tokenizer, auto_class = load_checkpoint(args.model_dir, DTYPES.get(args.dtype))
         batches = calibration_batches(samples, tokenizer, model, args.seq_len, args.batch_size)
         if args.random_tokens:
