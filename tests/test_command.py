@@ -122,6 +122,23 @@ def test_random_tokens_join_the_calibration_batches(checkpoints, text_file, tmp_
     assert rows[-2:] == [(8, 16), (4, 16)]  # 16 random tokens each, in --batch-size batches
 
 
+@pytest.mark.parametrize("case", ["count beyond memory", "rows longer than the positions"])
+def test_random_tokens_the_model_or_machine_cannot_take_name_the_option(
+    case, checkpoints, text_file, tmp_path, capsys, save_checkpoint, word_tokenizer
+):
+    if case == "count beyond memory":
+        model_dir, count, words = checkpoints["bert"], 10**12, "--random-tokens 1000000000000: count="
+    else:
+        config = transformers.BertConfig(vocab_size=len(word_tokenizer()), hidden_size=8, num_hidden_layers=1,
+                                         num_attention_heads=2, intermediate_size=8, max_position_embeddings=12)
+        model_dir = save_checkpoint(transformers.BertForMaskedLM(config), tmp_path / "short")
+        count, words = 4, "--random-tokens 4: length=16: rows of 16 random tokens"
+    argv = _argv(model_dir, text_file, tmp_path / "out", *RATIO_ARGS, "--random-tokens", str(count))
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists(), err
+
+
 def _no_linear_checkpoint(directory: Path, save_checkpoint, vocab: int) -> Path:
     """A registered transformers model made of an embedding alone."""
 
@@ -174,6 +191,10 @@ def _bad_inputs(checkpoints, text_file, tmp_path, save_checkpoint, vocab):
         "refine settings without refine": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--refine-steps", "5"), 1, "add --refine"),
         "refine lr not positive": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--refine", "--refine-lr", "0"), 2,
                                    "a finite number > 0"),
+        "calibration device absent": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--calibration-device", "cuda:99"), 2,
+                                      "argument --calibration-device: 'cuda:99'"),
+        "calibration device not a device": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--calibration-device", "gpu"), 2,
+                                            "expected a torch device"),
         "refine without blocks": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--refine", "--blocks", "off"), 1,
                                   "cannot be combined with --blocks off"),
     }
@@ -183,7 +204,7 @@ CASES = [
     "missing model dir", "not a model dir", "no tokenizer", "no weights", "missing calibration", "empty calibration",
     "unknown allocation", "ratio above one", "ratio not a number", "no size", "no linear layers",
     "unmatched target", "output inside model dir", "refine settings without refine", "refine lr not positive",
-    "refine without blocks",
+    "refine without blocks", "calibration device absent", "calibration device not a device",
 ]
 
 
@@ -199,6 +220,18 @@ def test_bad_input_ends_in_one_message_and_writes_nothing(
     if status == 1:
         assert len(err.strip().splitlines()) == 1 and err.startswith("python -m panther_lite compress: error: "), err
     assert sorted(path.name for path in tmp_path.iterdir()) == before
+
+
+def test_calibration_device_cuda_without_cuda_is_a_usage_error(checkpoints, text_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = _argv(checkpoints["gpt2"], text_file, tmp_path / "out", *RATIO_ARGS, "--calibration-device", "cuda")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        "python -m panther_lite compress: error: argument --calibration-device: 'cuda': cuda is not available on "
+        "this machine"
+    ) and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_non_empty_output_is_refused_without_overwrite(checkpoints, text_file, tmp_path, capsys):

@@ -9,6 +9,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..conversion.random_tokens import model_positions
+
 __all__ = [
     "CommandError", "check_model_dir", "auto_class_for", "load_checkpoint", "read_samples", "calibration_batches",
 ]
@@ -112,9 +114,8 @@ def read_samples(path: Path, max_samples: int) -> List[str]:
 
 def _max_tokens(model: nn.Module, seq_len: int) -> int:
     """``seq_len`` capped at the positions the model embeds (longer inputs would fail in it)."""
-    config = model.config
-    limits = [seq_len, getattr(config, "max_position_embeddings", None), getattr(config, "n_positions", None)]
-    return min(limit for limit in limits if isinstance(limit, int) and limit > 0)
+    positions = model_positions(model)
+    return seq_len if positions is None else min(seq_len, positions)
 
 
 def calibration_batches(

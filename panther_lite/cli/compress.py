@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Iterator, List, Optional
 
+import torch
 import torch.nn as nn
 
 from ..benchmark.cli import DTYPES, positive_float, positive_int
@@ -30,6 +31,7 @@ __all__ = ["add_compress_command", "run_compress", "REPORT_CSV", "REPORT_PNG", "
 
 REPORT_CSV, REPORT_PNG, REFINEMENT_CSV = "report.csv", "report.png", "refinement.csv"
 _NO_BLOCKS = ("off", "none")
+RANDOM_TOKEN_LENGTH = 16  # tokens in each --random-tokens sequence
 
 
 def _ratio(text: str) -> float:
@@ -53,6 +55,23 @@ def _alignment(text: str):
         raise argparse.ArgumentTypeError(f"expected 'auto', 'none' or an integer >= 1, got {text!r}") from None
 
 
+def _device(text: str) -> str:
+    """``argparse`` type for ``--calibration-device``: a torch device this machine has."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a torch device such as cpu, cuda or cuda:1, got {text!r}") from None
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, torch.mps
+    if device.type == "cpu" or not hasattr(backend, "is_available"):
+        return text
+    if not backend.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: {device.type} is not available on this machine")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} {device.type} device(s)")
+    return text
+
+
 def add_compress_command(subparsers) -> None:
     """Register ``compress`` and its options (they mirror :func:`panther_lite.convert`'s)."""
     command = subparsers.add_parser(
@@ -73,8 +92,8 @@ def add_compress_command(subparsers) -> None:
     data.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sample at most (default 256)")
     data.add_argument("--batch-size", type=positive_int, default=8, help="samples per batch (default 8)")
     data.add_argument("--random-tokens", type=positive_int, metavar="N",
-                      help="append N sequences of 16 random vocabulary tokens: a data-free prior over the vocabulary "
-                           "that keeps quality on text unlike the calibration file")
+                      help=f"append N sequences of {RANDOM_TOKEN_LENGTH} random vocabulary tokens: a data-free prior "
+                           "over the vocabulary that keeps quality on text unlike the calibration file (256 is plenty)")
     data.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                       help="dtype the model is loaded and converted in (default: the checkpoint's)")
     sizes = command.add_argument_group("sizes and allocation (panther_lite.convert's arguments)")
@@ -88,7 +107,8 @@ def add_compress_command(subparsers) -> None:
     sizes.add_argument("--fit", choices=FIT_METHODS, default="auto", help="the fits' decomposition")
     sizes.add_argument("--align", type=_alignment, default="auto", help="low_rank rounding: auto, none or a multiple")
     sizes.add_argument("--seed", type=int, help="seed of the randomized fits")
-    sizes.add_argument("--calibration-device", help="where calibration statistics live (e.g. cuda:0)")
+    sizes.add_argument("--calibration-device", type=_device, metavar="DEVICE",
+                       help="where calibration statistics live (e.g. cuda:0)")
     sizes.add_argument("--blocks", metavar="auto|off|PATH",
                        help="block-by-block conversion: auto-detect, off, or the dotted path of the block list "
                             "(needs a panther_lite whose convert takes blocks)")
@@ -178,6 +198,16 @@ def _check_paths(args: argparse.Namespace) -> None:
     check_output_dir(args.output, args.overwrite, _inputs(args))
 
 
+def _random_tokens(tokenizer, model: nn.Module, args: argparse.Namespace) -> List[dict]:
+    """``--random-tokens`` batches; a count or length the model or the machine cannot take is
+    an error naming the option."""
+    try:
+        return random_token_batches(tokenizer, args.random_tokens, RANDOM_TOKEN_LENGTH, batch_size=args.batch_size,
+                                    model=model)
+    except ValueError as error:
+        raise CommandError(f"--random-tokens {args.random_tokens}: {error}") from None
+
+
 def _save_refinement(rows: List[dict], path: Path, say) -> None:
     """The per-block refinement errors as CSV, and one line saying what refinement bought."""
     import pandas as pd
@@ -203,7 +233,7 @@ def run_compress(args: argparse.Namespace) -> int:
         model, tokenizer, auto_class = load_checkpoint(args.model_dir, DTYPES.get(args.dtype))
         batches = calibration_batches(samples, tokenizer, model, args.seq_len, args.batch_size)
         if args.random_tokens:
-            batches += random_token_batches(tokenizer, args.random_tokens, batch_size=args.batch_size)
+            batches += _random_tokens(tokenizer, model, args)
         tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
         _warn_if_few_tokens(model, tokens)
         extra = f" and {args.random_tokens} random-token sequences" if args.random_tokens else ""
