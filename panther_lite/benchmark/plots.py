@@ -11,6 +11,7 @@ from typing import List, Tuple, Union
 import numpy as np
 import pandas as pd
 
+from ..extras import require
 from .analysis import pareto_front
 from .sweep import COMPARED_INITS
 
@@ -30,7 +31,7 @@ def new_figure(**kwargs):
     with pyplot, so plotting neither needs a display nor changes the caller's backend;
     draw on it with the object-oriented API (``fig.subplots()``) and save it with
     :func:`save_figure`."""
-    from matplotlib.figure import Figure
+    Figure = require("matplotlib.figure", "plotting").Figure
 
     return Figure(**kwargs)
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..conversion.random_tokens import model_positions
+from ..extras import require
 
 __all__ = [
     "CommandError", "check_model_dir", "auto_class_for", "load_checkpoint", "read_samples", "calibration_batches",
@@ -41,8 +42,7 @@ def check_model_dir(model_dir: Path) -> None:
 
 def _auto_classes() -> List[type]:
     """``AutoModel`` first, then every ``AutoModelFor...`` class of the installed transformers."""
-    import transformers
-
+    transformers = require("transformers", "the compress command")
     names = ["AutoModel"] + sorted(name for name in dir(transformers) if name.startswith("AutoModelFor"))
     return [getattr(transformers, name) for name in names]
 
@@ -59,8 +59,7 @@ def auto_class_for(config) -> type:
     """The transformers Auto class that builds ``config.architectures[0]`` for this config
     (``AutoModelForCausalLM`` for a ``GPT2LMHeadModel``, say); ``AutoModel`` when the config
     names no architecture; the architecture's own class when no Auto class builds it."""
-    import transformers
-
+    transformers = require("transformers", "the compress command")
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
         return transformers.AutoModel
@@ -77,7 +76,8 @@ def auto_class_for(config) -> type:
 def load_checkpoint(model_dir: Path, dtype: Optional[torch.dtype]) -> Tuple[nn.Module, object, type]:
     """``(model, tokenizer, auto_class)`` read from ``model_dir`` (model in eval mode, on the
     CPU, in ``dtype`` or, for None, the checkpoint's own dtype)."""
-    from transformers import AutoConfig, AutoTokenizer
+    transformers = require("transformers", "the compress command")
+    AutoConfig, AutoTokenizer = transformers.AutoConfig, transformers.AutoTokenizer
 
     check_model_dir(model_dir)
     try:

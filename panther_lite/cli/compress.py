@@ -22,6 +22,7 @@ from ..conversion.block_refinement import REFINEMENT_COLUMNS
 from ..conversion.blocks import without_kv_cache
 from ..conversion.kinds import LINEAR_KINDS, kind_of
 from ..conversion.planning import ALLOCATIONS
+from ..extras import quiet_optional_imports, require
 from ..nn.low_rank_fit import FIT_METHODS
 from .checkpoint import CommandError, calibration_batches, check_model_dir, load_checkpoint, read_samples
 from .report_plot import plot_conversion_report
@@ -164,7 +165,7 @@ def convert_options(args: argparse.Namespace) -> dict:
 @contextlib.contextmanager
 def _transformers_bars(shown: bool) -> Iterator[None]:
     """transformers' own progress bars (loading, saving) hidden unless ``shown``, then restored."""
-    from transformers.utils import logging as transformers_logging
+    transformers_logging = require("transformers.utils.logging", "the compress command")
 
     enabled = transformers_logging.is_progress_bar_enabled()
     if not shown:
@@ -208,6 +209,17 @@ def _random_tokens(tokenizer, model: nn.Module, args: argparse.Namespace) -> Lis
         raise CommandError(f"--random-tokens {args.random_tokens}: {error}") from None
 
 
+def _plot_report(report, path: Path, title: str) -> None:
+    """``report.png``, or a warning when matplotlib (the ``[bench]`` extra) is missing: the
+    model is what the user waited for, and is written without its plot."""
+    try:
+        plot_conversion_report(report, path, title=title)
+    except ModuleNotFoundError as error:
+        if not str(error.name).startswith("matplotlib"):
+            raise
+        print(f"warning: {path.name} not written: {error}", file=sys.stderr)
+
+
 def _save_refinement(rows: List[dict], path: Path, say) -> None:
     """The per-block refinement errors as CSV, and one line saying what refinement bought."""
     import pandas as pd
@@ -225,12 +237,14 @@ def run_compress(args: argparse.Namespace) -> int:
     ConversionError) and leaves ``OUT_DIR`` as it was."""
     started = time.perf_counter()
     say = (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr, flush=True))
+    require("transformers", "the compress command")
     _check_paths(args)
     samples = read_samples(args.calibration, args.max_samples)
     options = convert_options(args)
     staging_directory = staged_directory(args.output, args.overwrite, _inputs(args))
     with _transformers_bars(shown=not args.quiet), staging_directory as staging:
-        model, tokenizer, auto_class = load_checkpoint(args.model_dir, DTYPES.get(args.dtype))
+        with quiet_optional_imports():  # transformers may import torchao while loading
+            model, tokenizer, auto_class = load_checkpoint(args.model_dir, DTYPES.get(args.dtype))
         batches = calibration_batches(samples, tokenizer, model, args.seq_len, args.batch_size)
         if args.random_tokens:
             batches += _random_tokens(tokenizer, model, args)
@@ -249,7 +263,7 @@ def run_compress(args: argparse.Namespace) -> int:
         if "refinement" in report.attrs:
             _save_refinement(report.attrs["refinement"], staging / REFINEMENT_CSV, say)
         model_name = Path(os.path.abspath(args.model_dir)).name
-        plot_conversion_report(report, staging / REPORT_PNG, title=f"{model_name}: {report.attrs['summary']}")
+        _plot_report(report, staging / REPORT_PNG, title=f"{model_name}: {report.attrs['summary']}")
     print(report.attrs["summary"], flush=True)
     say(f"wrote {args.output} in {time.perf_counter() - started:.1f} s; load it with "
         f"panther_lite.from_pretrained({auto_class.__name__}, {str(args.output)!r})")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from ..extras import require
 from .allocation import BudgetTooSmall
 from .calibration import reiterable
 from .surgery import undo_swaps
@@ -97,7 +98,7 @@ def plot_search(report: "pd.DataFrame", ax=None):
     without ``ax`` a new pyplot-free figure is made (``ax.figure.savefig(...)`` to save)."""
     trace = report.attrs["search"]
     if ax is None:
-        from matplotlib.figure import Figure
+        Figure = require("matplotlib.figure", "plot_search").Figure
 
         ax = Figure(figsize=(5, 3.5)).subplots()
     order = trace.sort_values("stored_ratio")
