@@ -185,7 +185,8 @@ def _bad_inputs(checkpoints, text_file, tmp_path, save_checkpoint, vocab):
         "ratio not a number": (_argv(gpt2, text_file, out, "--param-ratio", "half"), 2, "(0, 1]"),
         "no size": (_argv(gpt2, text_file, out, "--quiet"), 1, "--param-ratio"),
         "no linear layers": (
-            _argv(_no_linear_checkpoint(tmp_path / "no_linear", save_checkpoint, vocab), text_file, out, *RATIO_ARGS), 1, "candidates are: none"
+            _argv(_no_linear_checkpoint(tmp_path / "no_linear", save_checkpoint, vocab), text_file, out, *RATIO_ARGS), 1,
+            "candidates are: none",
         ),
         "unmatched target": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--target-modules", "q_proj"), 1, "q_proj"),
         "output inside model dir": (_argv(gpt2, text_file, gpt2 / "out", *RATIO_ARGS), 1, "MODEL_DIR"),

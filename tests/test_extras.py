@@ -13,7 +13,8 @@ import torch.nn as nn
 import panther_lite
 from panther_lite.extras import EXTRAS, quiet_optional_imports, require
 
-HF, BENCH, DEPLOY = 'pip install "panther_lite[hf]"', 'pip install "panther_lite[bench]"', 'pip install "panther_lite[deploy]"'
+HF, BENCH = 'pip install "panther_lite[hf]"', 'pip install "panther_lite[bench]"'
+DEPLOY = 'pip install "panther_lite[deploy]"'
 
 
 def _hide(monkeypatch, top: str) -> None:

@@ -61,8 +61,11 @@ def test_the_console_script_runs_the_command_line_under_its_own_name(tmp_path):
     # what pip writes for the entry point panther-lite = panther_lite.cli:main
     script = tmp_path / "panther-lite"
     script.write_text("import sys\nfrom panther_lite.cli import main\nsys.exit(main())\n")
-    run = lambda *args: subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,  # noqa: E731
-                                       cwd=ROOT, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, cwd=ROOT,
+                              timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
     version = run("--version")
     assert version.returncode == 0 and version.stdout.strip() == f"panther_lite {panther_lite.__version__}"
     bad = run("compress", str(tmp_path / "absent"), "--calibration", "t.txt", "--output", "o", "--param-ratio", "0.5")

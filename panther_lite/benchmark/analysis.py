@@ -58,8 +58,8 @@ def noise_note(df: pd.DataFrame, threshold: float = NOISE_THRESHOLD) -> Optional
     row = sketched.loc[index]
     median = row["forward_ms" if worst == "roofline_fraction" else worst]
     return (
-        f"{int(flagged.sum())} of {len(sketched)} configurations have a timing whose IQR exceeds {threshold:.0%} of its "
-        f"median (worst: L={int(row['num_terms'])} k={int(row['low_rank'])}, {worst} with IQR "
+        f"{int(flagged.sum())} of {len(sketched)} configurations have a timing whose IQR exceeds {threshold:.0%} "
+        f"of its median (worst: L={int(row['num_terms'])} k={int(row['low_rank'])}, {worst} with IQR "
         f"{row[SPREAD_COLUMNS[worst]]:.3g} around {median:.3g}): the machine was busy. They are hatched "
         "in the heatmaps and left off the Pareto front and any recommendation; re-measure them on a quieter machine "
         "or with more repeats"

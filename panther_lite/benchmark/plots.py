@@ -114,7 +114,7 @@ def plot_heatmaps(df: pd.DataFrame, path: Union[str, Path]) -> Path:
     hatched = sum(_draw_heatmap(fig, ax, sketched, *panel) for ax, panel in zip(axes.flat, panels))
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    note = f"\n{hatched} noisy cells hatched: not to be read as results; re-measure on a quieter machine" if hatched else ""
+    note = f"\n{hatched} noisy cells hatched: not results; re-measure on a quieter machine" if hatched else ""
     fig.suptitle(_title(df) + note, fontsize=11)
     return save_figure(fig, path)
 

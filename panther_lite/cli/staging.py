@@ -71,7 +71,8 @@ def check_output_dir(output: Path, overwrite: bool, inputs: Optional[Inputs] = N
         raise CommandError(f"OUT_DIR {spelled!r} exists and is not a directory")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise CommandError(f"OUT_DIR {spelled!r} exists and is not empty: pass --overwrite to replace it")
-    blocking = next((path for path in Path(os.path.abspath(output)).parents if path.exists() and not path.is_dir()), None)
+    parents = Path(os.path.abspath(output)).parents
+    blocking = next((path for path in parents if path.exists() and not path.is_dir()), None)
     if blocking is not None:
         raise CommandError(f"OUT_DIR {spelled!r} is inside {str(blocking)!r}, a file")
 

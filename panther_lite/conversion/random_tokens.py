@@ -94,8 +94,8 @@ def _check_memory(count: int, width: int) -> None:
     needed = count * width * (torch.iinfo(torch.long).bits // 8) * _INT64_COPIES
     if needed > total:
         raise ValueError(
-            f"count={count:,}: {count:,} rows of {width} tokens need at least {needed / 2**30:,.1f} GiB of int64 batches, "
-            f"more than this machine's {total / 2**30:,.1f} GiB of memory; a few hundred rows make the prior"
+            f"count={count:,}: {count:,} rows of {width} tokens need at least {needed / 2**30:,.1f} GiB of int64 "
+            f"batches, more than this machine's {total / 2**30:,.1f} GiB of memory; a few hundred rows make the prior"
         )
 
 
