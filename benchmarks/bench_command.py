@@ -78,12 +78,14 @@ def measure(model_dir: Path, quick: bool) -> pd.DataFrame:
     import transformers
 
     import panther_lite
+    from panther_lite.extras import quiet_optional_imports
 
     sentences = [line.strip() for line in SENTENCES.read_text().splitlines() if line.strip()]
     cut = 8 if quick else CALIBRATION_SENTENCES
     evaluation = sentences[cut : cut + 16] if quick else sentences[cut:]
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    reference = mean_pooled(transformers.AutoModel.from_pretrained(str(model_dir)).eval(), tokenizer, evaluation)
+    with quiet_optional_imports():  # torchao's load notes, when transformers imports it
+        reference = mean_pooled(transformers.AutoModel.from_pretrained(str(model_dir)).eval(), tokenizer, evaluation)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         calibration = Path(scratch) / "calibration.txt"
