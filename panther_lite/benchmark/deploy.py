@@ -48,9 +48,12 @@ PathLike = Union[str, Path]
 def _quantize_dynamic_int8(model: nn.Module) -> nn.Module:
     """``quantize_dynamic`` of every ``nn.Linear`` with per-output-channel int8 weights (a
     per-tensor scale loses more on the frozen pairs, whose rows differ in scale)."""
-    qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch.ao's deprecation notes
+        # torch.ao's deprecation notes: this form measures PyTorch's own int8 modules on purpose
+        # (the docs recommend torchao's quantize_ to users)
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear: qconfig}, dtype=torch.qint8)
 
 
