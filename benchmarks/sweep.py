@@ -32,7 +32,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from panther_lite.benchmark import Conv2dCase, LinearCase, publish_sweep_results, run_sweep, staged_path
+from panther_lite.benchmark import Conv2dCase, LinearCase, noise_note, publish_sweep_results, run_sweep, staged_path
 from panther_lite.benchmark.cli import DTYPES, non_negative_float, non_negative_int, positive_int
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -121,6 +121,9 @@ def main(argv=None) -> int:
     with pd.option_context("display.width", 200, "display.max_columns", None, "display.precision", 4):
         print(df[columns].to_string(index=False))
     print("\n".join(lines))
+    note = noise_note(df)
+    if note is not None:
+        print(f"warning: {note}", file=sys.stderr)
     return 130 if interrupted or any(line.startswith("interrupted") for line in lines) else 0
 
 

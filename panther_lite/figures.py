@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
+from .extras import require
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -17,8 +19,7 @@ def new_figure(**kwargs):
     with pyplot, so plotting neither needs a display nor changes the caller's backend;
     draw on it with the object-oriented API (``fig.subplots()``) and save it with
     :func:`save_figure`."""
-    from matplotlib.figure import Figure
-
+    Figure = require("matplotlib.figure", "plotting").Figure
     return Figure(**kwargs)
 
 

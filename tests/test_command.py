@@ -24,79 +24,16 @@ from panther_lite.cli import main  # noqa: E402
 from panther_lite.cli.checkpoint import auto_class_for, calibration_batches, read_samples  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
-
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = "the a cat dog sat ran on under mat log red blue big small quick slow fox jumps over lazy".split()
-SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-HIDDEN, FFN, HEADS, POSITIONS = 32, 64, 4, 32
 RATIO_ARGS = ["--param-ratio", "0.5", "--fit", "exact", "--quiet"]
-
-
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {token: i for i, token in enumerate(SPECIAL + WORDS)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
-        mask_token="[MASK]",
-    )
-
-
-VOCAB = len(SPECIAL) + len(WORDS)
-MODELS = {
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=HEADS, n_positions=POSITIONS)),
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2, num_attention_heads=HEADS,
-        num_key_value_heads=2, max_position_embeddings=POSITIONS)),
-    "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
-        intermediate_size=FFN, max_position_embeddings=POSITIONS)),
-}
+MODELS = ["gpt2", "llama", "bert"]  # the tiny checkpoints of the ``checkpoints`` fixture (tests/conftest.py)
 AUTO_CLASSES = {"gpt2": "AutoModelForCausalLM", "llama": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM"}
 
 
-def _save_checkpoint(model: nn.Module, directory: Path) -> Path:
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # its bars would land in the next test's stderr
-    try:
-        model.save_pretrained(str(directory))
-    finally:
-        transformers_logging.enable_progress_bar()
-    _tokenizer().save_pretrained(str(directory))
-    return directory
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """``{name: directory}`` of tiny random-init models saved with a tokenizer."""
-    root = tmp_path_factory.mktemp("checkpoints")
-    saved = {}
-    for name, build in MODELS.items():
-        torch.manual_seed(0)
-        saved[name] = _save_checkpoint(build().eval(), root / name)
-    return saved
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    generator = torch.Generator().manual_seed(0)
-    lines = []
-    for i in range(24):
-        picks = torch.randint(len(WORDS), (4 + i % 9,), generator=generator)
-        lines.append(" ".join(WORDS[j] for j in picks))
-        if i % 5 == 0:
-            lines.append("   ")  # blank lines are skipped
-    path = tmp_path_factory.mktemp("text") / "calibration.txt"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+]
 
 
 def _argv(model_dir, text_file, output, *extra):
@@ -118,9 +55,9 @@ def _converted_in_process(model_dir: Path, text_file: Path, **options):
     return model, batches, report
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", MODELS)
 def test_compress_writes_a_model_that_from_pretrained_reloads_as_convert_made_it(
-    name, checkpoints, text_file, tmp_path, capsys
+    name, checkpoints, text_file, tmp_path, capsys, word_tokenizer
 ):
     output = tmp_path / "out"
     assert main(_argv(checkpoints[name], text_file, output, *RATIO_ARGS)) == 0
@@ -139,7 +76,7 @@ def test_compress_writes_a_model_that_from_pretrained_reloads_as_convert_made_it
     written = pd.read_csv(output / "report.csv")
     assert list(written["name"]) == list(report["name"])
     assert list(written["low_rank"].fillna(0)) == list(report["low_rank"].fillna(0))
-    assert transformers.AutoTokenizer.from_pretrained(str(output)).get_vocab() == _tokenizer().get_vocab()
+    assert transformers.AutoTokenizer.from_pretrained(str(output)).get_vocab() == word_tokenizer().get_vocab()
 
 
 def test_python_dash_m_runs_global_sequential_and_replaces_with_overwrite(checkpoints, text_file, tmp_path):
@@ -153,6 +90,7 @@ def test_python_dash_m_runs_global_sequential_and_replaces_with_overwrite(checkp
                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().startswith("converted ") and "Traceback" not in result.stderr
+    assert "torchao" not in result.stderr and "_pytree" not in result.stderr  # optional packages' load notes
     assert "from_pretrained(AutoModelForCausalLM" in result.stderr
     assert not (output / "stale.txt").exists() and (output / "report.png").stat().st_size > 0
     assert _leftovers(tmp_path, output) == []
@@ -185,7 +123,24 @@ def test_random_tokens_join_the_calibration_batches(checkpoints, text_file, tmp_
     assert rows[-2:] == [(8, 16), (4, 16)]  # 16 random tokens each, in --batch-size batches
 
 
-def _no_linear_checkpoint(directory: Path) -> Path:
+@pytest.mark.parametrize("case", ["count beyond memory", "rows longer than the positions"])
+def test_random_tokens_the_model_or_machine_cannot_take_name_the_option(
+    case, checkpoints, text_file, tmp_path, capsys, save_checkpoint, word_tokenizer
+):
+    if case == "count beyond memory":
+        model_dir, count, words = checkpoints["bert"], 10**12, "--random-tokens 1000000000000: count="
+    else:
+        config = transformers.BertConfig(vocab_size=len(word_tokenizer()), hidden_size=8, num_hidden_layers=1,
+                                         num_attention_heads=2, intermediate_size=8, max_position_embeddings=12)
+        model_dir = save_checkpoint(transformers.BertForMaskedLM(config), tmp_path / "short")
+        count, words = 4, "--random-tokens 4: length=16: rows of 16 random tokens"
+    argv = _argv(model_dir, text_file, tmp_path / "out", *RATIO_ARGS, "--random-tokens", str(count))
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists(), err
+
+
+def _no_linear_checkpoint(directory: Path, save_checkpoint, vocab: int) -> Path:
     """A registered transformers model made of an embedding alone."""
 
     class NoLinearConfig(transformers.PreTrainedConfig):
@@ -196,7 +151,7 @@ def _no_linear_checkpoint(directory: Path) -> Path:
 
         def __init__(self, config):
             super().__init__(config)
-            self.embed = nn.Embedding(VOCAB, 4)
+            self.embed = nn.Embedding(vocab, 4)
             self.post_init()
 
         def forward(self, input_ids, attention_mask=None):
@@ -204,10 +159,10 @@ def _no_linear_checkpoint(directory: Path) -> Path:
 
     transformers.AutoConfig.register(NoLinearConfig.model_type, NoLinearConfig, exist_ok=True)
     transformers.AutoModel.register(NoLinearConfig, NoLinearModel, exist_ok=True)
-    return _save_checkpoint(NoLinearModel(NoLinearConfig(vocab_size=VOCAB)), directory)
+    return save_checkpoint(NoLinearModel(NoLinearConfig(vocab_size=vocab)), directory)
 
 
-def _bad_inputs(checkpoints, text_file, tmp_path):
+def _bad_inputs(checkpoints, text_file, tmp_path, save_checkpoint, vocab):
     """``{case: (argv, exit status, words the message must contain)}``."""
     gpt2, out = checkpoints["gpt2"], tmp_path / "out"
     not_a_model = tmp_path / "not_a_model"
@@ -230,13 +185,18 @@ def _bad_inputs(checkpoints, text_file, tmp_path):
         "ratio not a number": (_argv(gpt2, text_file, out, "--param-ratio", "half"), 2, "(0, 1]"),
         "no size": (_argv(gpt2, text_file, out, "--quiet"), 1, "--param-ratio"),
         "no linear layers": (
-            _argv(_no_linear_checkpoint(tmp_path / "no_linear"), text_file, out, *RATIO_ARGS), 1, "candidates are: none"
+            _argv(_no_linear_checkpoint(tmp_path / "no_linear", save_checkpoint, vocab), text_file, out, *RATIO_ARGS), 1,
+            "candidates are: none",
         ),
         "unmatched target": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--target-modules", "q_proj"), 1, "q_proj"),
         "output inside model dir": (_argv(gpt2, text_file, gpt2 / "out", *RATIO_ARGS), 1, "MODEL_DIR"),
         "refine settings without refine": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--refine-steps", "5"), 1, "add --refine"),
         "refine lr not positive": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--refine", "--refine-lr", "0"), 2,
                                    "a finite number > 0"),
+        "calibration device absent": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--calibration-device", "cuda:99"), 2,
+                                      "argument --calibration-device: 'cuda:99'"),
+        "calibration device not a device": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--calibration-device", "gpu"), 2,
+                                            "expected a torch device"),
         "refine without blocks": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--refine", "--blocks", "off"), 1,
                                   "cannot be combined with --blocks off"),
     }
@@ -246,13 +206,15 @@ CASES = [
     "missing model dir", "not a model dir", "no tokenizer", "no weights", "missing calibration", "empty calibration",
     "unknown allocation", "ratio above one", "ratio not a number", "no size", "no linear layers",
     "unmatched target", "output inside model dir", "refine settings without refine", "refine lr not positive",
-    "refine without blocks",
+    "refine without blocks", "calibration device absent", "calibration device not a device",
 ]
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_ends_in_one_message_and_writes_nothing(case, checkpoints, text_file, tmp_path, capsys):
-    argv, status, words = _bad_inputs(checkpoints, text_file, tmp_path)[case]
+def test_bad_input_ends_in_one_message_and_writes_nothing(
+    case, checkpoints, text_file, tmp_path, capsys, save_checkpoint, word_tokenizer
+):
+    argv, status, words = _bad_inputs(checkpoints, text_file, tmp_path, save_checkpoint, len(word_tokenizer()))[case]
     before = sorted(path.name for path in tmp_path.iterdir())
     assert main(argv) == status
     err = capsys.readouterr().err
@@ -260,6 +222,18 @@ def test_bad_input_ends_in_one_message_and_writes_nothing(case, checkpoints, tex
     if status == 1:
         assert len(err.strip().splitlines()) == 1 and err.startswith("python -m panther_lite compress: error: "), err
     assert sorted(path.name for path in tmp_path.iterdir()) == before
+
+
+def test_calibration_device_cuda_without_cuda_is_a_usage_error(checkpoints, text_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = _argv(checkpoints["gpt2"], text_file, tmp_path / "out", *RATIO_ARGS, "--calibration-device", "cuda")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        "python -m panther_lite compress: error: argument --calibration-device: 'cuda': cuda is not available on "
+        "this machine"
+    ) and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_non_empty_output_is_refused_without_overwrite(checkpoints, text_file, tmp_path, capsys):

@@ -53,6 +53,15 @@ def test_performance_runs_every_section_and_saves_plot_and_trace(tmp_path, capsy
     assert (tmp_path / "trace.json").stat().st_size > 0
 
 
+def test_performance_sizes_follow_the_device():
+    tutorial = load_tutorial("performance.py")
+    cpu, gpu = tutorial.default_sizes(torch.device("cpu")), tutorial.default_sizes(torch.device("cuda"))
+    assert (gpu["width"], gpu["batch"]) == (4096, 1024)
+    # on 2 CPU cores the whole tutorial takes about a minute: a 1024² layer, 128 rows, 10 steps
+    assert (cpu["width"], cpu["batch"], cpu["steps"]) == (1024, 128, 10)
+    assert tutorial.default_sizes(torch.device("cuda"), quick=True)["width"] == 128
+
+
 def test_performance_memory_section_reports_the_library_measurements():
     tutorial = load_tutorial("performance.py")
     width, batch, num_terms, low_rank = 32, 6, 2, 3
@@ -96,6 +105,20 @@ def test_parameter_sweep_tutorial_runs(tmp_path, capsys):
     assert len(sweep) == 5 and sweep["error_svd"].notna().all()
     for name in ("heatmaps.png", "tradeoff.png"):
         assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_parameter_sweep_never_recommends_a_configuration_with_a_noisy_timing(capsys):
+    from panther_lite.benchmark import LinearCase, run_sweep
+
+    df = run_sweep(LinearCase(24, 16, 4), [1, 2], [2, 4], warmup=0, repeats=1, progress=False)
+    noisy = df.index[(df["num_terms"] == 2) & (df["low_rank"] == 4)][0]
+    df.loc[noisy, ["forward_ms", "error_svd"]] = [1e-6, 1e-9]  # the fastest and most accurate ...
+    df.loc[noisy, "speedup_iqr"] = 10 * df.loc[noisy, "speedup"]  # ... measured on a busy machine
+    best = load_tutorial("parameter_sweep.py").recommend(df, error_budget=1.0)
+    out, err = capsys.readouterr()
+    assert best is not None and (best["num_terms"], best["low_rank"]) != (2, 4)
+    assert "L=2 k=4" not in out.split("Pareto front")[1]
+    assert err.startswith("warning: 1 of 4 configurations have a timing whose IQR exceeds 50% of its median")
 
 
 def test_deploy_exports_freezes_quantizes_and_compares_the_forms(tmp_path, capsys):

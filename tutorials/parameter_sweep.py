@@ -11,7 +11,9 @@ spectrum of the weight it replaces. This script uses :mod:`panther_lite.benchmar
    formulation), each configuration timed in alternation with the dense layer,
    collecting a DataFrame — and a CSV written row by row;
 4. read the result: the cheapest configuration within an error budget, the Pareto
-   front of error against time, and the heatmap and trade-off plots.
+   front of error against time, and the heatmap and trade-off plots — from trustworthy
+   timings only: a configuration whose timing spread (IQR) is large against its median
+   was measured on a busy machine, and is flagged, hatched and never recommended.
 
     python tutorials/parameter_sweep.py --quick --output-dir /tmp/sweep   # seconds
     python tutorials/parameter_sweep.py --device cuda --dtype bfloat16
@@ -19,6 +21,7 @@ spectrum of the weight it replaces. This script uses :mod:`panther_lite.benchmar
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -28,6 +31,8 @@ from panther_lite.benchmark import (
     LinearCase,
     compare,
     forward_step,
+    noise_note,
+    noisy_rows,
     pareto_front,
     parameter_bytes,
     plot_heatmaps,
@@ -48,6 +53,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--error-budget", type=float, default=0.3, help="largest acceptable relative output error")
     parser.add_argument("--output-dir", type=Path, default=Path("tutorial_outputs/parameter_sweep"))
     return parser.parse_args(argv)
+
+
+def recommend(df, error_budget: float):
+    """Print the fastest configuration within ``error_budget`` (init='svd') and the Pareto
+    front, both from configurations whose timings are not noisy; warn on stderr about those
+    left out. Returns the recommended row, or None."""
+    sketched = df[df["method"] == "sketched"]
+    shaky = noisy_rows(sketched)
+    note = noise_note(df)
+    if note is not None:
+        print(f"warning: {note}", file=sys.stderr)
+    within = sketched[~shaky & (sketched["error_svd"] <= error_budget)]
+    best = None
+    if within.empty:
+        print(f"no configuration with a steady timing reaches error <= {error_budget} with init='svd'; widen the "
+              "grid" + (" or re-measure the noisy ones" if shaky.any() else ""))  # fmt: skip
+    else:
+        best = within.sort_values("forward_ms").iloc[0]
+        print(
+            f"fastest with init='svd' and error <= {error_budget}: L={int(best['num_terms'])}, "
+            f"k={int(best['low_rank'])} — {best['forward_ms']:.3f} ms (IQR {best['forward_iqr_ms']:.3f}), error "
+            f"{best['error_svd']:.3f}, {best['stored_params']:,} stored parameters"
+        )
+    front = sketched[pareto_front(sketched["forward_ms"], sketched["error_svd"], excluded=shaky)]
+    print("Pareto front (init='svd'):", ", ".join(f"L={int(r.num_terms)} k={int(r.low_rank)}" for r in front.itertuples()))
+    return best
 
 
 def main(argv=None) -> None:
@@ -86,19 +117,7 @@ def main(argv=None) -> None:
     print(f"rows written as measured to {csv_path}")
 
     print("\n== 4. Reading the result ==")
-    sketched = df[df["method"] == "sketched"]
-    within = sketched[sketched["error_svd"] <= args.error_budget]
-    if within.empty:
-        print(f"no configuration reaches error <= {args.error_budget} with init='svd'; widen the grid")
-    else:
-        best = within.sort_values("forward_ms").iloc[0]
-        print(
-            f"fastest with init='svd' and error <= {args.error_budget}: L={int(best['num_terms'])}, "
-            f"k={int(best['low_rank'])} — {best['forward_ms']:.3f} ms, error {best['error_svd']:.3f}, "
-            f"{best['stored_params']:,} stored parameters"
-        )
-    front = sketched[pareto_front(sketched["forward_ms"], sketched["error_svd"])]
-    print("Pareto front (init='svd'):", ", ".join(f"L={int(r.num_terms)} k={int(r.low_rank)}" for r in front.itertuples()))
+    recommend(df, args.error_budget)
     for path in (plot_heatmaps(df, args.output_dir / "heatmaps.png"), plot_tradeoff(df, args.output_dir / "tradeoff.png")):
         print(f"saved {path}")
 

@@ -25,7 +25,9 @@ Sections (each prints what it measured; plots go to ``--output-dir``):
    whichever rows were slowest in that run).
 6. Compiling for production with ``torch.compile(fullgraph=True)``.
 
-Everything runs on the CPU when there is no GPU (``--quick``: tiny sizes, seconds).
+Sizes follow the device: on a GPU width 4096, batch 1024 (seconds); on the CPU width 1024,
+batch 128 and fewer repeats and steps (about a minute on 2 cores); ``--quick``: tiny sizes,
+seconds anywhere; ``--width`` and ``--batch-size`` override.
 """
 from __future__ import annotations
 
@@ -51,6 +53,12 @@ from panther_lite.benchmark import (
 from panther_lite.nn import SKLinear, align_rank, select_config, tensor_core_multiple
 
 CUSTOM_OP = "panther_lite::sketched_linear"
+# per device: layer width, batch rows, untimed and timed calls, training steps
+SIZES = {
+    "cuda": dict(width=4096, batch=1024, warmup=10, repeats=50, steps=30),
+    "cpu": dict(width=1024, batch=128, warmup=2, repeats=10, steps=10),
+    "quick": dict(width=128, batch=32, warmup=1, repeats=5, steps=3),
+}
 
 
 def naive_ms(fn, repeats):
@@ -231,16 +239,24 @@ def section_compile(device, width, batch, warmup, repeats):
     return {"eager": eager, "compiled": fast}
 
 
+def default_sizes(device: torch.device, quick: bool = False) -> dict:
+    """The :data:`SIZES` entry for ``device`` (a GPU's, else the CPU's; tiny with ``quick``)."""
+    return SIZES["quick" if quick else "cuda" if device.type == "cuda" else "cpu"]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a few seconds on a CPU")
     parser.add_argument("--output-dir", type=Path, default=Path("tutorial_outputs/performance"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--width", type=int, help="layer width (default: 4096 on a GPU, 1024 on the CPU)")
+    parser.add_argument("--batch-size", type=int, help="input rows (default: 1024 on a GPU, 128 on the CPU)")
     args = parser.parse_args(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    width, batch = (128, 32) if args.quick else (4096, 1024)
-    warmup, repeats, steps = (1, 5, 3) if args.quick else (10, 50, 30)
+    sizes = default_sizes(device, args.quick)
+    width, batch = args.width or sizes["width"], args.batch_size or sizes["batch"]
+    warmup, repeats, steps = sizes["warmup"], sizes["repeats"], sizes["steps"]
 
     num_terms, low_rank = 4, width // 32
     timings = section_timing(device, width, batch, num_terms, low_rank, warmup, repeats)

@@ -21,7 +21,9 @@ re-exported here.
   grid, with :data:`SWEEP_COLUMNS`; rows go to a CSV as measured
   (:mod:`~panther_lite.benchmark.records`).
 * :mod:`~panther_lite.benchmark.analysis` and :mod:`~panther_lite.benchmark.plots` —
-  :func:`pareto_front`, heatmaps, trade-off plots and pyplot-free figures.
+  timings too noisy to read (:func:`relative_spread`, :func:`noisy`, :func:`noisy_rows`,
+  :func:`noise_note`), :func:`pareto_front`, heatmaps (noisy cells hatched), trade-off
+  plots and pyplot-free figures.
 * :mod:`~panther_lite.benchmark.bars` — performance bars: a sketched callable timed in
   alternation with its reference (:func:`compare`), rows, lines and a figure.
 * :mod:`~panther_lite.benchmark.cli` — argument types for the benchmark scripts.
@@ -33,7 +35,7 @@ re-exported here.
 from __future__ import annotations
 
 from .accuracy import relative_output_error, structured_weight
-from .analysis import pareto_front
+from .analysis import NOISE_THRESHOLD, noise_note, noisy, noisy_rows, pareto_front, relative_spread
 from .anchor import anchor_conv2d, anchor_linear
 from .bars import BAR_COLUMNS, bar_line, compare, plot_bars, save_bars
 from .cases import Conv2dCase, GemmShape, LayerCase, LinearCase
@@ -117,6 +119,11 @@ __all__ = [
     "accuracy",
     "digits_task_accuracy",
     "pareto_front",
+    "NOISE_THRESHOLD",
+    "relative_spread",
+    "noisy",
+    "noisy_rows",
+    "noise_note",
     "plot_heatmaps",
     "plot_tradeoff",
     "replace_sweep_plots",

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from ..conversion import convert, freeze
+from ..extras import require
 from .plots import new_figure, save_figure
 from .timing import Spread, time_interleaved
 
@@ -47,9 +48,12 @@ PathLike = Union[str, Path]
 def _quantize_dynamic_int8(model: nn.Module) -> nn.Module:
     """``quantize_dynamic`` of every ``nn.Linear`` with per-output-channel int8 weights (a
     per-tensor scale loses more on the frozen pairs, whose rows differ in scale)."""
-    qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch.ao's deprecation notes
+        # torch.ao's deprecation notes: this form measures PyTorch's own int8 modules on purpose
+        # (the docs recommend torchao's quantize_ to users)
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear: qconfig}, dtype=torch.qint8)
 
 
@@ -91,6 +95,7 @@ def export_onnx(
     TorchScript-based exporter, or the dynamo one with ``dynamo=True``); returns ``path``.
     Exporter notes (deprecations, progress) are silenced."""
     path = Path(path)
+    require("onnxscript" if dynamo else "onnx", "export_onnx")
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         if dynamo:
@@ -108,7 +113,8 @@ def quantize_onnx_int8(source: PathLike, target: PathLike) -> Path:
     """onnxruntime's dynamic int8 quantization of the ONNX graph at ``source`` (its ``MatMul``
     and ``Gemm`` weights, per output channel; activations quantized per call), written to
     ``target``."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    quantization = require("onnxruntime.quantization", "quantize_onnx_int8")
+    QuantType, quantize_dynamic = quantization.QuantType, quantization.quantize_dynamic
 
     quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8, per_channel=True)
     return Path(target)
@@ -122,7 +128,7 @@ def onnx_runner(
     default: onnxruntime's). Its threads do not spin between calls: spinning would take the
     cores from whatever runs next (PyTorch, in an interleaved comparison). A provider this
     onnxruntime build lacks is an error, not a silent fall back to the CPU."""
-    import onnxruntime
+    onnxruntime = require("onnxruntime", "onnx_runner")
 
     options = onnxruntime.SessionOptions()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from ..figures import new_figure, save_figure
-from .analysis import pareto_front
+from .analysis import NOISE_THRESHOLD, SPREAD_COLUMNS, noisy, noisy_rows, pareto_front
 from .sweep import COMPARED_INITS
 
 _HEATMAPS = (
@@ -41,58 +41,91 @@ def _title(df: pd.DataFrame) -> str:
     return f"{first['layer']} {shape}, {first['dtype']}, {first['device_name']}"
 
 
+def _grid(sketched: pd.DataFrame, values: pd.Series) -> pd.DataFrame:
+    """``values`` (one per sketched row) on the ``num_terms × low_rank`` grid."""
+    frame = sketched[["num_terms", "low_rank"]].assign(value=values.astype(float))
+    return frame.pivot_table(index="num_terms", columns="low_rank", values="value", aggfunc="mean", dropna=False)
+
+
+def _draw_heatmap(fig, ax, sketched: pd.DataFrame, column: str, label: str, cmap: str) -> int:
+    """One panel: each cell's value, with its IQR under it where ``column`` is timed; cells
+    whose IQR exceeds :data:`NOISE_THRESHOLD` × their value hatched and left out of the colour
+    scale. Returns how many."""
+    grid = _grid(sketched, sketched[column])
+    spread = _grid(sketched, sketched[SPREAD_COLUMNS[column]]) if column in SPREAD_COLUMNS else None
+    flagged = _grid(sketched, noisy(sketched, column)).fillna(0).to_numpy() > 0
+    values = grid.to_numpy(dtype=float)
+    steady = values[~flagged & ~np.isnan(values)]  # a noisy outlier must not set the colour scale
+    limits = dict(vmin=steady.min(), vmax=steady.max()) if steady.size else {}
+    image = ax.imshow(values, cmap=cmap, aspect="auto", origin="lower", **limits)
+    ax.set_xticks(range(grid.shape[1]), [str(int(c)) for c in grid.columns])
+    ax.set_yticks(range(grid.shape[0]), [str(int(i)) for i in grid.index])
+    ax.set_xlabel("low_rank k")
+    ax.set_ylabel("num_terms L")
+    for (i, j), value in np.ndenumerate(values):
+        if math.isnan(value):
+            continue
+        iqr = math.nan if spread is None else spread.iat[i, j]
+        text = f"{value:.3g}" if math.isnan(iqr) else f"{value:.3g}\nIQR {iqr:.2g}"
+        ax.text(j, i, text, ha="center", va="center", fontsize=8 if math.isnan(iqr) else 7,
+                color="0.35" if flagged[i, j] else "black")  # fmt: skip
+        if flagged[i, j]:
+            from matplotlib.patches import Rectangle
+
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///", edgecolor="0.3", lw=0))
+    hatched = int(flagged.sum())
+    note = f"\nhatched: IQR > {NOISE_THRESHOLD:.0%} of the value (noisy, {hatched})" if hatched else ""
+    ax.set_title(label + note, fontsize=9 if hatched else 10)
+    fig.colorbar(image, ax=ax, shrink=0.8)
+    return hatched
+
+
 def plot_heatmaps(df: pd.DataFrame, path: Union[str, Path]) -> Path:
     """Heatmaps over the ``num_terms × low_rank`` grid of every metric the sweep has
     (speed-ups, memory ratio, errors per init, anchor speed-up, roofline fraction, task
-    accuracy); saves a PNG at ``path`` and returns it."""
+    accuracy); each timed cell shows its IQR, and cells whose IQR exceeds
+    :data:`~panther_lite.benchmark.analysis.NOISE_THRESHOLD` × their value are hatched and
+    counted in the title. Saves a PNG at ``path`` and returns it."""
     sketched = _sketched(df)
     panels = [p for p in _HEATMAPS if p[0] in sketched and sketched[p[0]].notna().any()]
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig = new_figure(figsize=(4.6 * ncols, 3.8 * nrows))
     axes = fig.subplots(nrows, ncols, squeeze=False)
-    for ax, (column, label, cmap) in zip(axes.flat, panels):
-        grid = sketched.pivot_table(index="num_terms", columns="low_rank", values=column, aggfunc="mean")
-        image = ax.imshow(grid.to_numpy(dtype=float), cmap=cmap, aspect="auto", origin="lower")
-        ax.set_xticks(range(grid.shape[1]), [str(int(c)) for c in grid.columns])
-        ax.set_yticks(range(grid.shape[0]), [str(int(i)) for i in grid.index])
-        ax.set_xlabel("low_rank k")
-        ax.set_ylabel("num_terms L")
-        ax.set_title(label, fontsize=10)
-        for (i, j), value in np.ndenumerate(grid.to_numpy(dtype=float)):
-            if not math.isnan(value):
-                ax.text(j, i, f"{value:.3g}", ha="center", va="center", fontsize=8)
-        fig.colorbar(image, ax=ax, shrink=0.8)
+    hatched = sum(_draw_heatmap(fig, ax, sketched, *panel) for ax, panel in zip(axes.flat, panels))
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle(_title(df), fontsize=11)
+    note = f"\n{hatched} noisy cells hatched: not results; re-measure on a quieter machine" if hatched else ""
+    fig.suptitle(_title(df) + note, fontsize=11)
     return save_figure(fig, path)
 
 
 def plot_tradeoff(df: pd.DataFrame, path: Union[str, Path]) -> Path:
-    """Relative output error against forward time, one series per init, with each
-    init's Pareto front drawn and marked and the dense layer's time as a line; saves a
-    PNG at ``path`` and returns it."""
-    sketched = _sketched(df)
+    """Relative output error against forward time, one series per init, each point with its
+    forward time's IQR as a horizontal bar, each init's Pareto front drawn and marked, and the
+    dense layer's time as a line; configurations with a noisy timing
+    (:func:`~panther_lite.benchmark.analysis.noisy_rows`) are drawn as grey crosses and kept
+    off the front. Saves a PNG at ``path`` and returns it."""
+    sketched = _sketched(df).assign(noisy=lambda frame: noisy_rows(frame))
     fig = new_figure(figsize=(7.5, 5))
     ax = fig.subplots()
     for init, colour, label_offset in zip(COMPARED_INITS, ("tab:orange", "tab:blue"), ((5, 6), (5, -12))):
         column = f"error_{init}"
-        points = sketched[["forward_ms", column, "num_terms", "low_rank"]].dropna()
+        points = sketched[["forward_ms", "forward_iqr_ms", column, "num_terms", "low_rank", "noisy"]]
+        points = points.dropna(subset=["forward_ms", column])
         if points.empty:
             continue
-        ax.scatter(points["forward_ms"], points[column], color=colour, alpha=0.45, label=f"init='{init}'")
-        front = points[pareto_front(points["forward_ms"], points[column])].sort_values("forward_ms")
+        steady, shaky = points[~points["noisy"]], points[points["noisy"]]
+        ax.errorbar(steady["forward_ms"], steady[column], xerr=steady["forward_iqr_ms"].fillna(0) / 2, fmt="o",
+                    color=colour, alpha=0.45, elinewidth=1, label=f"init='{init}' (bar: IQR of the time)")
+        if not shaky.empty:
+            ax.scatter(shaky["forward_ms"], shaky[column], marker="x", color="0.5",
+                       label=f"init='{init}', noisy timing (IQR > {NOISE_THRESHOLD:.0%}): off the front")
+        front = points[pareto_front(points["forward_ms"], points[column], excluded=points["noisy"])]
+        front = front.sort_values("forward_ms")
         ax.plot(front["forward_ms"], front[column], "-o", color=colour, markerfacecolor="none", markersize=11,
                 label=f"Pareto front, init='{init}'")
-        labelled = []
-        for _, p in front.iterrows():
-            where = (math.log10(p["forward_ms"]), math.log10(max(p[column], 1e-30)))
-            if any(abs(where[0] - x) < 0.12 and abs(where[1] - y) < 0.2 for x, y in labelled):
-                continue  # a neighbour on the front already carries a label here
-            labelled.append(where)
-            ax.annotate(f"L={int(p['num_terms'])},k={int(p['low_rank'])}", (p["forward_ms"], p[column]),
-                        textcoords="offset points", xytext=label_offset, fontsize=7)
+        _label_front(ax, front, column, label_offset)
     dense = df[df["method"] == "dense"]
     if not dense.empty:
         ax.axvline(float(dense["forward_ms"].iloc[0]), color="black", linestyle="--", label="dense forward time")
@@ -107,6 +140,18 @@ def plot_tradeoff(df: pd.DataFrame, path: Union[str, Path]) -> Path:
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     return save_figure(fig, path)
+
+
+def _label_front(ax, front: pd.DataFrame, column: str, offset) -> None:
+    """``L=…,k=…`` beside the points of a front, skipping a point whose neighbour is labelled."""
+    labelled = []
+    for _, p in front.iterrows():
+        where = (math.log10(p["forward_ms"]), math.log10(max(p[column], 1e-30)))
+        if any(abs(where[0] - x) < 0.12 and abs(where[1] - y) < 0.2 for x, y in labelled):
+            continue
+        labelled.append(where)
+        ax.annotate(f"L={int(p['num_terms'])},k={int(p['low_rank'])}", (p["forward_ms"], p[column]),
+                    textcoords="offset points", xytext=offset, fontsize=7)
 
 
 def replace_sweep_plots(df: pd.DataFrame, heatmaps_path: Union[str, Path], tradeoff_path: Union[str, Path]) -> list:

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..extras import require
 from ..nn import SKConv2d, SKLinear
 from .environment import DeviceLike, as_device, check_int, check_non_negative, ignore_size_warnings
 
@@ -37,7 +38,7 @@ def load_digits_split(
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-    from sklearn.datasets import load_digits
+    load_digits = require("sklearn.datasets", "the digits task").load_digits
 
     device = as_device(device)
     data = load_digits()

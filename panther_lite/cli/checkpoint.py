@@ -9,6 +9,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..conversion.calibration.random_tokens import model_positions
+from ..extras import require
+
 __all__ = [
     "CommandError", "check_model_dir", "auto_class_for", "load_checkpoint", "read_samples", "calibration_batches",
 ]
@@ -39,8 +42,7 @@ def check_model_dir(model_dir: Path) -> None:
 
 def _auto_classes() -> List[type]:
     """``AutoModel`` first, then every ``AutoModelFor...`` class of the installed transformers."""
-    import transformers
-
+    transformers = require("transformers", "the compress command")
     names = ["AutoModel"] + sorted(name for name in dir(transformers) if name.startswith("AutoModelFor"))
     return [getattr(transformers, name) for name in names]
 
@@ -57,8 +59,7 @@ def auto_class_for(config) -> type:
     """The transformers Auto class that builds ``config.architectures[0]`` for this config
     (``AutoModelForCausalLM`` for a ``GPT2LMHeadModel``, say); ``AutoModel`` when the config
     names no architecture; the architecture's own class when no Auto class builds it."""
-    import transformers
-
+    transformers = require("transformers", "the compress command")
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
         return transformers.AutoModel
@@ -75,7 +76,8 @@ def auto_class_for(config) -> type:
 def load_checkpoint(model_dir: Path, dtype: Optional[torch.dtype]) -> Tuple[nn.Module, object, type]:
     """``(model, tokenizer, auto_class)`` read from ``model_dir`` (model in eval mode, on the
     CPU, in ``dtype`` or, for None, the checkpoint's own dtype)."""
-    from transformers import AutoConfig, AutoTokenizer
+    transformers = require("transformers", "the compress command")
+    AutoConfig, AutoTokenizer = transformers.AutoConfig, transformers.AutoTokenizer
 
     check_model_dir(model_dir)
     try:
@@ -112,9 +114,8 @@ def read_samples(path: Path, max_samples: int) -> List[str]:
 
 def _max_tokens(model: nn.Module, seq_len: int) -> int:
     """``seq_len`` capped at the positions the model embeds (longer inputs would fail in it)."""
-    config = model.config
-    limits = [seq_len, getattr(config, "max_position_embeddings", None), getattr(config, "n_positions", None)]
-    return min(limit for limit in limits if isinstance(limit, int) and limit > 0)
+    positions = model_positions(model)
+    return seq_len if positions is None else min(seq_len, positions)
 
 
 def calibration_batches(

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Iterator, List, Optional
 
+import torch
 import torch.nn as nn
 
 from ..conversion import ConvertConfig, convert, random_token_batches, save_pretrained
@@ -19,6 +20,7 @@ from ..conversion.config import ALLOCATIONS
 from ..conversion.fitting.block_refinement import REFINEMENT_COLUMNS
 from ..conversion.kinds import kind_of
 from ..conversion.pipelines.blocks import without_kv_cache
+from ..extras import quiet_optional_imports, require
 from ..nn.low_rank_fit import FIT_METHODS
 from .arguments import DTYPES, positive_float, positive_int
 from .checkpoint import CommandError, calibration_batches, check_model_dir, load_checkpoint, read_samples
@@ -29,6 +31,7 @@ __all__ = ["add_compress_command", "run_compress", "REPORT_CSV", "REPORT_PNG", "
 
 REPORT_CSV, REPORT_PNG, REFINEMENT_CSV = "report.csv", "report.png", "refinement.csv"
 _NO_BLOCKS = ("off", "none")
+RANDOM_TOKEN_LENGTH = 16  # tokens in each --random-tokens sequence
 
 
 def _ratio(text: str) -> float:
@@ -52,6 +55,23 @@ def _alignment(text: str):
         raise argparse.ArgumentTypeError(f"expected 'auto', 'none' or an integer >= 1, got {text!r}") from None
 
 
+def _device(text: str) -> str:
+    """``argparse`` type for ``--calibration-device``: a torch device this machine has."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a torch device such as cpu, cuda or cuda:1, got {text!r}") from None
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, torch.mps
+    if device.type == "cpu" or not hasattr(backend, "is_available"):
+        return text
+    if not backend.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: {device.type} is not available on this machine")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} {device.type} device(s)")
+    return text
+
+
 def add_compress_command(subparsers) -> None:
     """Register ``compress`` and its options (they mirror :func:`panther_lite.convert`'s)."""
     command = subparsers.add_parser(
@@ -72,8 +92,8 @@ def add_compress_command(subparsers) -> None:
     data.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sample at most (default 256)")
     data.add_argument("--batch-size", type=positive_int, default=8, help="samples per batch (default 8)")
     data.add_argument("--random-tokens", type=positive_int, metavar="N",
-                      help="append N sequences of 16 random vocabulary tokens: a data-free prior over the vocabulary "
-                           "that keeps quality on text unlike the calibration file")
+                      help=f"append N sequences of {RANDOM_TOKEN_LENGTH} random vocabulary tokens: a data-free prior "
+                           "over the vocabulary that keeps quality on text unlike the calibration file (256 is plenty)")
     data.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                       help="dtype the model is loaded and converted in (default: the checkpoint's)")
     sizes = command.add_argument_group("sizes and allocation (panther_lite.convert's arguments)")
@@ -87,7 +107,8 @@ def add_compress_command(subparsers) -> None:
     sizes.add_argument("--fit", choices=FIT_METHODS, default="auto", help="the fits' decomposition")
     sizes.add_argument("--align", type=_alignment, default="auto", help="low_rank rounding: auto, none or a multiple")
     sizes.add_argument("--seed", type=int, help="seed of the randomized fits")
-    sizes.add_argument("--calibration-device", help="where calibration statistics live (e.g. cuda:0)")
+    sizes.add_argument("--calibration-device", type=_device, metavar="DEVICE",
+                       help="where calibration statistics live (e.g. cuda:0)")
     sizes.add_argument("--blocks", metavar="auto|off|PATH",
                        help="block-by-block conversion: auto-detect, off, or the dotted path of the block list "
                             "(needs a panther_lite whose convert takes blocks)")
@@ -141,7 +162,7 @@ def convert_config(args: argparse.Namespace) -> ConvertConfig:
 @contextlib.contextmanager
 def _transformers_bars(shown: bool) -> Iterator[None]:
     """transformers' own progress bars (loading, saving) hidden unless ``shown``, then restored."""
-    from transformers.utils import logging as transformers_logging
+    transformers_logging = require("transformers.utils.logging", "the compress command")
 
     enabled = transformers_logging.is_progress_bar_enabled()
     if not shown:
@@ -165,12 +186,35 @@ def _warn_if_few_tokens(model: nn.Module, tokens: int) -> None:
               file=sys.stderr)
 
 
+def _inputs(args: argparse.Namespace) -> dict:
+    """What OUT_DIR must never be, hold or lie inside, by the name the messages give it."""
+    return {"MODEL_DIR": args.model_dir, "the calibration file": args.calibration}
+
+
 def _check_paths(args: argparse.Namespace) -> None:
     check_model_dir(args.model_dir)
-    output = Path(os.path.abspath(args.output))
-    if output == Path(os.path.abspath(args.model_dir)) or Path(os.path.abspath(args.model_dir)) in output.parents:
-        raise CommandError(f"OUT_DIR {str(args.output)!r} is MODEL_DIR or inside it: choose another directory")
-    check_output_dir(output, args.overwrite)
+    check_output_dir(args.output, args.overwrite, _inputs(args))
+
+
+def _random_tokens(tokenizer, model: nn.Module, args: argparse.Namespace) -> List[dict]:
+    """``--random-tokens`` batches; a count or length the model or the machine cannot take is
+    an error naming the option."""
+    try:
+        return random_token_batches(tokenizer, args.random_tokens, RANDOM_TOKEN_LENGTH, batch_size=args.batch_size,
+                                    model=model)
+    except ValueError as error:
+        raise CommandError(f"--random-tokens {args.random_tokens}: {error}") from None
+
+
+def _plot_report(report, path: Path, title: str) -> None:
+    """``report.png``, or a warning when matplotlib (the ``[bench]`` extra) is missing: the
+    model is what the user waited for, and is written without its plot."""
+    try:
+        plot_conversion_report(report, path, title=title)
+    except ModuleNotFoundError as error:
+        if not str(error.name).startswith("matplotlib"):
+            raise
+        print(f"warning: {path.name} not written: {error}", file=sys.stderr)
 
 
 def _save_refinement(rows: List[dict], path: Path, say) -> None:
@@ -190,14 +234,17 @@ def run_compress(args: argparse.Namespace) -> int:
     ConversionError) and leaves ``OUT_DIR`` as it was."""
     started = time.perf_counter()
     say = (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr, flush=True))
+    require("transformers", "the compress command")
     _check_paths(args)
     samples = read_samples(args.calibration, args.max_samples)
     config = convert_config(args)
-    with _transformers_bars(shown=not args.quiet), staged_directory(args.output, args.overwrite) as staging:
-        model, tokenizer, auto_class = load_checkpoint(args.model_dir, DTYPES.get(args.dtype))
+    staging_directory = staged_directory(args.output, args.overwrite, _inputs(args))
+    with _transformers_bars(shown=not args.quiet), staging_directory as staging:
+        with quiet_optional_imports():  # transformers may import torchao while loading
+            model, tokenizer, auto_class = load_checkpoint(args.model_dir, DTYPES.get(args.dtype))
         batches = calibration_batches(samples, tokenizer, model, args.seq_len, args.batch_size)
         if args.random_tokens:
-            batches += random_token_batches(tokenizer, args.random_tokens, batch_size=args.batch_size)
+            batches += _random_tokens(tokenizer, model, args)
         tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
         _warn_if_few_tokens(model, tokens)
         extra = f" and {args.random_tokens} random-token sequences" if args.random_tokens else ""
@@ -213,7 +260,7 @@ def run_compress(args: argparse.Namespace) -> int:
         if "refinement" in report.attrs:
             _save_refinement(report.attrs["refinement"], staging / REFINEMENT_CSV, say)
         model_name = Path(os.path.abspath(args.model_dir)).name
-        plot_conversion_report(report, staging / REPORT_PNG, title=f"{model_name}: {report.attrs['summary']}")
+        _plot_report(report, staging / REPORT_PNG, title=f"{model_name}: {report.attrs['summary']}")
     print(report.attrs["summary"], flush=True)
     say(f"wrote {args.output} in {time.perf_counter() - started:.1f} s; load it with "
         f"panther_lite.from_pretrained({auto_class.__name__}, {str(args.output)!r})")

@@ -1,29 +1,80 @@
-"""An output directory written all at once: files go to a staging directory beside it (same
-filesystem), which is renamed into place at the end and removed on any failure or Ctrl-C."""
+"""An output directory written all at once, never at its inputs' expense: files go to a staging
+directory beside it (same filesystem), renamed into place at the end and removed on any
+failure, Ctrl-C or SIGTERM; a directory that is, holds or lies inside an input is refused
+before anything is created, however the paths are spelled (links, ``..``, relative)."""
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Mapping, Optional, Tuple
 
 from .checkpoint import CommandError
 
-__all__ = ["check_output_dir", "staged_directory"]
+__all__ = ["check_output_dir", "staged_directory", "is_within"]
+
+Inputs = Mapping[str, Path]  # what the message calls each input ("MODEL_DIR") -> its path
 
 
-def check_output_dir(output: Path, overwrite: bool) -> None:
-    """Raise :class:`~panther_lite.cli.checkpoint.CommandError` when ``output`` is a file, or a
+def _identity(path: Path) -> Optional[Tuple[int, int]]:
+    """``(device, inode)`` of ``path`` (links followed), None when it does not exist."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
+
+
+def is_within(inner: Path, outer: Path) -> bool:
+    """Whether ``inner`` is ``outer`` or lies inside it, judged where the filesystem puts them:
+    links followed, ``..`` and relative spellings resolved, and an existing ``outer`` found by
+    its identity (so a bind mount or a case-insensitive spelling of it counts too)."""
+    real = Path(os.path.realpath(inner))
+    target = _identity(outer)
+    if target is None:
+        outer_real = Path(os.path.realpath(outer))
+        return real == outer_real or outer_real in real.parents
+    return any(_identity(place) == target for place in (real, *real.parents))
+
+
+def _input_places(path: Path) -> Iterator[Path]:
+    """``path`` and, for a directory, every entry under it: a linked file (a Hugging Face cache
+    snapshot links each file to a blob elsewhere) is part of the input wherever it points."""
+    yield path
+    if path.is_dir():
+        for root, folders, files in os.walk(path):  # linked folders are not entered, only checked
+            yield from (Path(root, name) for name in sorted((*folders, *files)))
+
+
+def _check_inputs_kept(output: Path, spelled: str, inputs: Inputs) -> None:
+    for label, path in inputs.items():
+        if path.is_dir() and is_within(output, path):
+            raise CommandError(f"OUT_DIR {spelled!r} is {label} or inside it: choose a directory outside {label}")
+        held = next((place for place in _input_places(path) if is_within(place, output)), None)
+        if held is not None:
+            what = label if held == path else f"{label}'s {str(held.relative_to(path))!r}"
+            raise CommandError(
+                f"OUT_DIR {spelled!r} holds {what} ({str(path)!r}): writing OUT_DIR would replace the input; "
+                "choose a directory that does not contain it"
+            )
+
+
+def check_output_dir(output: Path, overwrite: bool, inputs: Optional[Inputs] = None) -> None:
+    """Raise :class:`~panther_lite.cli.checkpoint.CommandError` when ``output`` is, holds or lies
+    inside one of ``inputs`` (whatever ``overwrite`` says), is a file or inside one, or is a
     non-empty directory and ``overwrite`` is False."""
+    spelled = str(output)
+    _check_inputs_kept(output, spelled, inputs or {})
     if output.exists() and not output.is_dir():
-        raise CommandError(f"OUT_DIR {str(output)!r} exists and is not a directory")
+        raise CommandError(f"OUT_DIR {spelled!r} exists and is not a directory")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
-        raise CommandError(f"OUT_DIR {str(output)!r} exists and is not empty: pass --overwrite to replace it")
-    blocking = next((path for path in output.parents if path.exists() and not path.is_dir()), None)
+        raise CommandError(f"OUT_DIR {spelled!r} exists and is not empty: pass --overwrite to replace it")
+    parents = Path(os.path.abspath(output)).parents
+    blocking = next((path for path in parents if path.exists() and not path.is_dir()), None)
     if blocking is not None:
-        raise CommandError(f"OUT_DIR {str(output)!r} is inside {str(blocking)!r}, a file")
+        raise CommandError(f"OUT_DIR {spelled!r} is inside {str(blocking)!r}, a file")
 
 
 def _missing_ancestors(directory: Path) -> List[Path]:
@@ -36,13 +87,25 @@ def _missing_ancestors(directory: Path) -> List[Path]:
     return missing
 
 
+def _new_directory(parent: Path, prefix: str) -> Path:
+    """A new empty directory ``parent/<prefix><random>``, with the mode the umask gives any new
+    directory (``tempfile.mkdtemp`` would make it private: ``drwx------`` whatever the umask)."""
+    while True:
+        path = parent / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+
+
 def _move_into_place(staging: Path, output: Path) -> None:
     """Rename ``staging`` to ``output``; a directory already at ``output`` is set aside first
     and put back if the rename fails, then removed."""
     if not output.exists():
         os.rename(staging, output)
         return
-    aside = Path(tempfile.mkdtemp(prefix=f".{output.name}.replaced-", dir=output.parent))
+    aside = _new_directory(output.parent, f".{output.name}.replaced-")
     os.rename(output, aside / output.name)
     try:
         os.rename(staging, output)
@@ -54,21 +117,23 @@ def _move_into_place(staging: Path, output: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_directory(output: Path, overwrite: bool = False) -> Iterator[Path]:
+def staged_directory(output: Path, overwrite: bool = False, inputs: Optional[Inputs] = None) -> Iterator[Path]:
     """Yield an empty staging directory beside ``output``; when the block ends normally it
     becomes ``output`` (replacing it if ``overwrite``), otherwise it is removed, with any
     parent directories made for it, and ``output`` is left as it was.
 
-    Checks ``output`` with :func:`check_output_dir` first."""
-    output = Path(os.path.abspath(output))
-    check_output_dir(output, overwrite)
-    made = _missing_ancestors(output.parent)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    ``output`` is checked with :func:`check_output_dir` (``inputs`` included) before anything
+    is made and again before it is replaced. A linked ``output`` is written where the link
+    points; the staging directory and ``output`` get the umask's permissions."""
+    check_output_dir(output, overwrite, inputs)
+    real = Path(os.path.realpath(output))
+    made = _missing_ancestors(real.parent)
+    real.parent.mkdir(parents=True, exist_ok=True)
+    staging = _new_directory(real.parent, f".{real.name}.partial-")
     try:
         yield staging
-        check_output_dir(output, overwrite)  # something may have been written there meanwhile
-        _move_into_place(staging, output)
+        check_output_dir(output, overwrite, inputs)  # something may have been written there meanwhile
+        _move_into_place(staging, real)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         for directory in made:

@@ -9,6 +9,7 @@ import subprocess
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from panther_lite.benchmark import BAR_COLUMNS, SWEEP_COLUMNS
 
@@ -205,3 +206,19 @@ def test_a_second_ctrl_c_while_plotting_never_leaves_another_runs_plots(tmp_path
     if csv_path.read_bytes() != old_csv:
         assert not any(p.exists() and p.read_bytes() == old_plots[p] for p in plot_paths)
     assert sorted(p.name for p in tmp_path.iterdir()) <= sorted([csv_path.name, *(p.name for p in plot_paths)])
+
+
+def test_bench_command_times_each_recipe_and_scores_the_written_model(tmp_path, load_script, save_checkpoint,
+                                                                       word_tokenizer, capsys):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=len(word_tokenizer()), hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model_dir = save_checkpoint(transformers.BertModel(config).eval(), tmp_path / "bert")
+    bench = load_script("benchmarks/bench_command.py")
+    frame = bench.main(["--model-dir", str(model_dir), "--quick", "--output-dir", str(tmp_path / "out")])
+    written = pd.read_csv(tmp_path / "out" / "command_minilm.csv")
+    assert list(written["recipe"]) == list(bench.RECIPES) == list(frame["recipe"])
+    assert list(written["options"].fillna("")) == ["", "--allocation global --random-tokens 16"]
+    assert (written["seconds"] > 0).all() and written["mean_cosine"].between(-1, 1.0001).all()
+    assert (written["min_cosine"] <= written["mean_cosine"]).all()

@@ -97,3 +97,48 @@ def test_random_tokens_keep_quality_on_words_the_calibration_text_never_used(log
     prior = panther_lite.random_token_batches(tokenizer, 64, 10, batch_size=8)
     panther_lite.convert(with_prior, calibration_data=calibration + prior, **options)
     assert logits_error(with_prior, model, unseen) < 0.95 * logits_error(text_only, model, unseen)
+
+
+def _gapped_tokenizer():
+    """Ids 0-4 special, 5-14 words, 15-24 unused, 25-34 words: ``len(tokenizer)`` is 25 and the
+    last id 34."""
+    vocab = {token: i for i, token in enumerate(SPECIAL[:5])}
+    vocab.update({word: 5 + i + (10 if i >= 10 else 0) for i, word in enumerate(WORDS[:20])})
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+
+
+def test_a_vocabulary_with_gaps_draws_every_real_token_and_nothing_else():
+    tokenizer = _gapped_tokenizer()
+    real = set(range(5, 15)) | set(range(25, 35))
+    assert len(tokenizer) == 25 and set(ordinary_token_ids(tokenizer).tolist()) == real
+    ids = torch.cat([batch["input_ids"] for batch in panther_lite.random_token_batches(tokenizer, 200, 10)])
+    assert set(ids.unique().tolist()) == real  # 2,000 draws from 20 tokens: each is drawn (p of a miss < 1e-40)
+
+
+def test_a_count_beyond_memory_is_named_before_anything_is_allocated(monkeypatch):
+    tokenizer = _tokenizer()
+    monkeypatch.setattr(torch, "randint", lambda *args, **kwargs: pytest.fail("allocated before checking"))
+    with pytest.raises(ValueError, match=r"count=1,000,000,000,000: .* GiB .* more than this machine's"):
+        panther_lite.random_token_batches(tokenizer, 10**12)
+
+
+def test_rows_longer_than_the_models_positions_name_length():
+    tokenizer = _tokenizer()
+    model = transformers.BertModel(transformers.BertConfig(
+        vocab_size=len(SPECIAL) + len(WORDS), hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=8, max_position_embeddings=20,
+    ))  # fmt: skip
+    with pytest.raises(ValueError, match=r"length=19: .* longer than the 20 of the model's positions .* length <= 18"):
+        panther_lite.random_token_batches(tokenizer, 4, 19, model=model)
+    rows = panther_lite.random_token_batches(tokenizer, 4, 18, model=model)[0]
+    assert rows["input_ids"].shape == (4, 20)
+    with torch.no_grad():
+        model(**rows)  # the longest accepted rows run
+    tokenizer.model_max_length = 12  # without a model, the tokenizer's limit
+    with pytest.raises(ValueError, match=r"length=11: .* tokenizer's model_max_length; pass length <= 10"):
+        panther_lite.random_token_batches(tokenizer, 4, 11)

@@ -37,6 +37,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Tuple, Union
 import torch
 import torch.nn as nn
 
+from ...extras import require
 from ..deploy.quantized import warn_if_quantized_beside
 from .serialization import apply_conversion_config, conversion_config
 from .weight_files import WEIGHTS_NAME, load_weights_file, read_weights
@@ -134,7 +135,7 @@ def _check_layers_reloadable(model: nn.Module, conversion: Mapping) -> None:
 
 def _write_model_files(model: nn.Module, saved_with: str, directory: Path, conversion: Mapping) -> None:
     if saved_with == _STATE_DICT:
-        from safetensors.torch import save_model
+        save_model = require("safetensors.torch", "save_pretrained").save_model
 
         save_model(model, str(directory / WEIGHTS_NAME))
         return
@@ -247,7 +248,7 @@ def _concrete_transformers_class(model_class: type, directory: Path) -> type:
             f"{str(directory)!r} holds a transformers model: pass its class (a PreTrainedModel "
             f"subclass or an AutoModel class), got {model_class!r}"
         )
-    from transformers import AutoConfig
+    AutoConfig = require("transformers", "from_pretrained of a transformers directory").AutoConfig
 
     return mapping[type(AutoConfig.from_pretrained(str(directory)))]
 

@@ -7,6 +7,8 @@ from typing import Dict
 
 import torch
 
+from ...extras import require
+
 WEIGHTS_NAME = "model.safetensors"
 SHARD_INDEX_NAME = "model.safetensors.index.json"
 
@@ -14,8 +16,8 @@ SHARD_INDEX_NAME = "model.safetensors.index.json"
 def load_weights_file(path: Path) -> Dict[str, torch.Tensor]:
     """The tensors of one safetensors file; ValueError naming the file when it is truncated,
     corrupt or not a safetensors file at all."""
+    load_file = require("safetensors.torch", "reading a safetensors weights file").load_file
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     try:
         return load_file(str(path))
