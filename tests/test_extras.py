@@ -60,7 +60,7 @@ def test_plots_name_the_bench_extra(monkeypatch):
     search = pd.DataFrame({"stored_ratio": [1.0], "score": [1.0]})
     report = pd.DataFrame()
     report.attrs["search"] = search
-    with pytest.raises(ImportError, match=r"plot_search needs 'matplotlib'.*\[bench\]"):
+    with pytest.raises(ImportError, match=r"plotting needs 'matplotlib'.*\[bench\]"):
         panther_lite.plot_search(report)
 
 
