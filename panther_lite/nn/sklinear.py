@@ -36,6 +36,8 @@ class SKLinear(SketchedLayer):
         W_init: optional dense weight ``(out_features, in_features)`` (``nn.Linear``
             layout) to start from; default: ``nn.Linear``'s Kaiming-uniform init.
         bias: learn an additive bias.
+        device, dtype: where and in which dtype the factors are created, as for ``nn.Linear``
+            (same positions: ``bias``, ``device``, ``dtype`` after the sketch arguments).
         init: ``"sketch"`` — random ±1/√k sign sketches ``U`` and ``S1 = Wᵀ U1ᵀ``,
             ``S2 = U2ᵀ Wᵀ`` (the Panther/anchor math, an unbiased estimate of ``W``);
             its intermediate ``x·S1`` is a random projection of the output ``x·Wᵀ``, about
@@ -69,8 +71,8 @@ class SKLinear(SketchedLayer):
         low_rank: int,
         W_init: Optional[Tensor] = None,
         bias: bool = True,
-        dtype: Optional[torch.dtype] = None,
         device=None,
+        dtype: Optional[torch.dtype] = None,
         *,
         init: str = "sketch",
         seed: Optional[int] = None,

@@ -234,7 +234,7 @@ def test_non_integer_seed_is_a_type_error(device):
         with pytest.raises(TypeError, match="seed must be an int"):
             SKLinear(40, 48, 2, 2, seed=bad, device=device)
         with pytest.raises(TypeError, match="seed must be an int"):
-            SKConv2d(4, 8, num_terms=1, low_rank=2, seed=bad, device=device)
+            SKConv2d(4, 8, 3, num_terms=1, low_rank=2, seed=bad, device=device)
 
 
 def test_seeded_sketches_do_not_depend_on_bias_or_call_path():
