@@ -18,7 +18,7 @@ from .conversion import (
     save_pretrained,
     tune,
 )
-from .nn import SKConv1d, SKConv2d, SKConv3d, SKLinear
+from .nn import SKConv1d, SKConv2d, SKConv3d, SKExperts, SKLinear
 
 __version__ = "0.2.0"
 
@@ -27,6 +27,7 @@ __all__ = [
     "SKConv1d",
     "SKConv2d",
     "SKConv3d",
+    "SKExperts",
     "convert",
     "densify",
     "freeze",

@@ -250,7 +250,7 @@ def test_invalid_calibration_grams_are_rejected_with_a_reason(kind):
 
 def test_fit_method_reaches_the_decomposition(monkeypatch):
     import panther_lite.nn.skconv as skconv
-    import panther_lite.nn.sklinear as sklinear
+    import panther_lite.nn.linear_factors as sklinear
 
     seen = []
     for module, name in ((sklinear, "sketch_factors_from_weight"), (skconv, "output_subspace")):

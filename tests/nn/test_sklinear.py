@@ -453,7 +453,7 @@ def test_mismatched_dtype_and_trainable_sketch_raise_clearly():
 
 
 def test_from_linear_with_gram_runs_one_decomposition(monkeypatch):
-    import panther_lite.nn.sklinear as sklinear_module
+    import panther_lite.nn.linear_factors as sklinear_module
 
     calls = []
     real = sklinear_module.sketch_factors_from_weight
