@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .grouped import expert_groups, grouped_sketched_linear
+from .functional import needs_grad
+from .grouped import expert_groups, grouped_rows, grouped_sketched_linear
 
 __all__ = ["SCHEDULES", "check_expert_ids"]
 
@@ -47,6 +48,16 @@ def _combine(experts, rows: Tensor, weights: Tensor, tokens: int, top_k: int, dt
     return weighted.view(tokens, top_k, weighted.shape[-1]).sum(dim=1).to(dtype)
 
 
+def _grouped_projection(projection, rows: Tensor, bounds: Tensor) -> Tensor:
+    """One projection on rows sorted by expert: the grouped op when autograd records it (or
+    while compiling), else plain GEMMs with the cached stacked factors."""
+    x, S1, U1, U2, S2, bias = projection.operands(rows)
+    if torch.compiler.is_compiling() or needs_grad(x, S1, S2, bias):
+        return grouped_sketched_linear(x, S1, U1, U2, S2, bias, bounds, projection.scale)
+    x, left, right, bias = projection.stacked_operands(x)
+    return grouped_rows(x, left, right, bias, bounds, 1.0)[0]
+
+
 def grouped_experts(experts, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """The ``grouped_mm`` schedule (see the module docstring)."""
     tokens, top_k = top_k_index.shape
@@ -55,8 +66,7 @@ def grouped_experts(experts, hidden_states: Tensor, top_k_index: Tensor, top_k_w
     for index, projection in enumerate(experts.projections()):
         if index:
             rows = experts.activate(rows)
-        x, S1, U1, U2, S2, bias = projection.operands(rows)
-        rows = grouped_sketched_linear(x, S1, U1, U2, S2, bias, bounds, projection.scale)
+        rows = _grouped_projection(projection, rows, bounds)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     weights = top_k_weights.reshape(-1)
     return _combine(experts, rows[inverse], weights, tokens, top_k, hidden_states.dtype)

@@ -59,11 +59,12 @@ def _stacked(rows: int, rank: int) -> bool:
     return rows >= _STACKED_ROWS_PER_RANK * rank
 
 
-def _scaled_product(bias: Optional[Tensor], a: Tensor, b: Tensor, scale: float) -> Tensor:
-    """``scale · a·b (+ bias)`` with the scale applied inside the GEMM (no unscaled fp16 product)."""
+def _scaled_product(bias: Optional[Tensor], a: Tensor, b: Tensor, scale: float, out: Optional[Tensor] = None) -> Tensor:
+    """``scale · a·b (+ bias)`` with the scale applied inside the GEMM (no unscaled fp16
+    product), into ``out`` when given."""
     if bias is None:
-        return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=scale)
-    return torch.addmm(bias, a, b, alpha=scale)
+        return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=scale, out=out)
+    return torch.addmm(bias, a, b, alpha=scale, out=out)
 
 
 def _split_product(
@@ -75,15 +76,57 @@ def _split_product(
     return out.addmm_(x_U2, S2, alpha=scale), x_U2
 
 
+def stacked_rows_forward(
+    x: Tensor,
+    left: Tensor,
+    right: Tensor,
+    bias: Optional[Tensor],
+    scale: float,
+    out: Optional[Tensor] = None,
+    hidden: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """The stacked schedule: ``hidden = x·[S1 | U2]`` ``(rows, 2R)``, then
+    ``out = scale·hidden·[U1; S2] (+ bias)``; written into ``out``/``hidden`` when given
+    (the grouped experts op passes row slices of its outputs). Returns ``(out, hidden)``."""
+    hidden = torch.mm(x, left, out=hidden)
+    return _scaled_product(bias, hidden, right, scale, out), hidden
+
+
+def stacked_rows_backward(
+    grad_out: Tensor,
+    x: Tensor,
+    x_U2: Tensor,
+    left: Tensor,
+    right: Tensor,
+    scale: float,
+    needs: Tuple[bool, bool, bool, bool],
+    grad_x: Optional[Tensor] = None,
+) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Gradients ``(x, S1, S2, bias)`` of :func:`stacked_rows_forward` (None where ``needs``
+    says not needed), ``grad_x`` written into the given buffer; the scale stays inside the GEMMs."""
+    need_x, need_S1, need_S2, need_bias = needs
+    rank = left.shape[1] // 2
+    grad_S1 = grad_S2 = grad_bias = None
+    if need_x or need_S1:
+        grad_hidden = _scaled_product(None, grad_out, right.t(), scale)  # [d/d(x·S1) | d/d(x·U2)]
+        if need_x:
+            grad_x = torch.mm(grad_hidden, left.t(), out=grad_x)
+        if need_S1:
+            grad_S1 = x.t() @ grad_hidden[:, :rank]
+    if need_S2:
+        grad_S2 = _scaled_product(None, x_U2.t(), grad_out, scale)
+    if need_bias:
+        grad_bias = grad_out.sum(0)
+    return grad_x if need_x else None, grad_S1, grad_S2, grad_bias
+
+
 def rows_forward(
     x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float
 ) -> Tuple[Tensor, Tensor]:
-    """The op's forward on ``(rows, in)``: ``(y, x·U2)``, by the stacked or split schedule
-    (shared with the grouped experts op, which applies it to each expert's rows)."""
+    """The op's forward on ``(rows, in)``: ``(y, x·U2)``, by the stacked or split schedule."""
     rank = S1.shape[1]
     if _stacked(x.shape[0], rank):
-        hidden = x @ torch.cat((S1, U2), dim=1)
-        out = _scaled_product(bias, hidden, torch.cat((U1, S2), dim=0), scale)
+        out, hidden = stacked_rows_forward(x, torch.cat((S1, U2), dim=1), torch.cat((U1, S2), dim=0), bias, scale)
         return out, hidden[:, rank:].clone()
     return _split_product(x, S1, U1, U2, S2, bias, scale)
 
@@ -124,25 +167,20 @@ def rows_backward(
     and the bias need one."""
     x, x_U2, S1, U1, U2, S2 = saved
     need_x, need_S1, need_S2, need_bias = needs
-    rank = S1.shape[1]
     grad_x = grad_S1 = grad_S2 = grad_bias = None
     if grad_out is None:  # only the internal x·U2 output was used
         if need_x and grad_x_U2 is not None:
             grad_x = grad_x_U2 @ U2.t()
         return grad_x, None, None, None
+    if need_x and grad_x_U2 is None and _stacked(grad_out.shape[0], S1.shape[1]):
+        left, right = torch.cat((S1, U2), dim=1), torch.cat((U1, S2), dim=0)
+        return stacked_rows_backward(grad_out, x, x_U2, left, right, scale, needs)
     g = grad_out * scale
     if need_x or need_S1:
-        if need_x and _stacked(g.shape[0], rank):
-            grad_hidden = g @ torch.cat((U1, S2), dim=0).t()  # [d/d(x·S1) | d/d(x·U2)]
-            if grad_x_U2 is not None:
-                grad_hidden[:, rank:] += grad_x_U2
-            grad_x = grad_hidden @ torch.cat((S1, U2), dim=1).t()
-            grad_x_S1 = grad_hidden[:, :rank]
-        else:
-            grad_x_S1 = g @ U1.t()
-            if need_x:
-                grad_wrt_x_U2 = g @ S2.t() if grad_x_U2 is None else torch.addmm(grad_x_U2, g, S2.t())
-                grad_x = (grad_x_S1 @ S1.t()).addmm_(grad_wrt_x_U2, U2.t())
+        grad_x_S1 = g @ U1.t()
+        if need_x:
+            grad_wrt_x_U2 = g @ S2.t() if grad_x_U2 is None else torch.addmm(grad_x_U2, g, S2.t())
+            grad_x = (grad_x_S1 @ S1.t()).addmm_(grad_wrt_x_U2, U2.t())
         if need_S1:
             grad_S1 = x.t() @ grad_x_S1
     if need_S2:
@@ -248,7 +286,8 @@ def check_operands(
             raise ValueError(f"{what}: {name} is on {t.device} but the input is on {x.device}")
 
 
-def _needs_grad(x: Tensor, S1: Tensor, S2: Tensor, bias: Optional[Tensor]) -> bool:
+def needs_grad(x: Tensor, S1: Tensor, S2: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether autograd records a product of these operands (grad mode on, one requires grad)."""
     if not torch.is_grad_enabled():
         return False
     return x.requires_grad or S1.requires_grad or S2.requires_grad or (bias is not None and bias.requires_grad)
@@ -280,7 +319,7 @@ def _rows_product(
         if _under_transform():
             check_operands(x, S1, U1, U2, S2, bias)
             return _composable_product(x, S1, U1, U2, S2, bias, scale)
-        if not _needs_grad(x, S1, S2, bias):
+        if not needs_grad(x, S1, S2, bias):
             try:
                 return _no_grad_product(x, S1, U1, U2, S2, bias, scale, cacheable)
             except RuntimeError:

@@ -4,8 +4,10 @@
 for a stack of ``E`` sketched linear maps (one per expert of a mixture of experts): rows
 ``bounds[e]:bounds[e + 1]`` of ``x`` (the rows routed to expert ``e``, contiguous after a
 sort by expert) go through ``S1[e]``, ``U1[e]``, ``U2[e]``, ``S2[e]`` with the same
-schedules and backward as SKLinear (:func:`~panther_lite.nn.functional.rows_forward`,
-:func:`~panther_lite.nn.functional.rows_backward`). It is the sketched counterpart of
+stacked schedule and backward as SKLinear (:func:`~panther_lite.nn.functional.stacked_rows_forward`,
+:func:`~panther_lite.nn.functional.stacked_rows_backward`: two GEMMs of width ``2Lk`` per
+expert, written straight into the output rows; the factors are concatenated once per
+call, for all experts). It is the sketched counterpart of
 transformers' ``grouped_mm`` experts path: one host synchronisation per call (the group
 bounds are read once), no per-row copy of any weight, experts that receive no rows cost
 nothing, and gradients are computed only for the trainable ``S1``, ``S2`` and the bias.
@@ -21,9 +23,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .functional import rows_backward, rows_forward
+from .functional import stacked_rows_backward, stacked_rows_forward
 
-__all__ = ["expert_groups", "grouped_sketched_linear"]
+__all__ = ["expert_groups", "grouped_rows", "grouped_sketched_linear"]
 
 
 def expert_groups(expert_ids: Tensor, num_experts: int) -> Tuple[Tensor, Tensor, Tensor]:
@@ -52,31 +54,40 @@ def _group_edges(bounds: Tensor, rows: int) -> List[int]:
     return edges
 
 
+def grouped_rows(
+    x: Tensor, left: Tensor, right: Tensor, bias: Optional[Tensor], bounds: Tensor, scale: float
+) -> Tuple[Tensor, Tensor]:
+    """The grouped product from stacked factors ``left = [S1 | U2]`` ``(E, in, 2R)`` and
+    ``right = [U1; S2]`` ``(E, 2R, out)``: ``(out, hidden)`` with ``hidden = x·left[e]`` and
+    ``out = scale·hidden·right[e] + bias[e]`` on expert ``e``'s rows, written in place (no
+    autograd: the op below records it; no-grad calls use it directly with cached factors)."""
+    edges = _group_edges(bounds, x.shape[0])
+    out = x.new_empty(x.shape[0], right.shape[-1])
+    hidden = x.new_empty(x.shape[0], left.shape[-1])
+    for e, (start, end) in enumerate(zip(edges[:-1], edges[1:])):
+        if end > start:
+            b = None if bias is None else bias[e]
+            stacked_rows_forward(x[start:end], left[e], right[e], b, scale, out[start:end], hidden[start:end])
+    return out, hidden
+
+
 @torch.library.custom_op("panther_lite::grouped_sketched_linear", mutates_args=())
 def _grouped_op(
     x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], bounds: Tensor, scale: float
 ) -> Tuple[Tensor, Tensor]:
-    edges = _group_edges(bounds, x.shape[0])
-    out = x.new_empty(x.shape[0], S2.shape[-1])
-    x_U2 = x.new_empty(x.shape[0], U2.shape[-1])
-    for e, (start, end) in enumerate(zip(edges[:-1], edges[1:])):
-        if end > start:
-            rows = slice(start, end)
-            b = None if bias is None else bias[e]
-            out[rows], x_U2[rows] = rows_forward(x[rows], S1[e], U1[e], U2[e], S2[e], b, scale)
-    return out, x_U2
+    return grouped_rows(x, torch.cat((S1, U2), dim=-1), torch.cat((U1, S2), dim=-2), bias, bounds, scale)
 
 
 @_grouped_op.register_fake
 def _(x, S1, U1, U2, S2, bias, bounds, scale):
-    return x.new_empty(x.shape[0], S2.shape[-1]), x.new_empty(x.shape[0], U2.shape[-1])
+    return x.new_empty(x.shape[0], S2.shape[-1]), x.new_empty(x.shape[0], 2 * U2.shape[-1])
 
 
 @torch.library.custom_op("panther_lite::grouped_sketched_linear_backward", mutates_args=())
 def _grouped_backward_op(
     grad_out: Tensor,
     x: Tensor,
-    x_U2: Tensor,
+    hidden: Tensor,
     S1: Tensor,
     U1: Tensor,
     U2: Tensor,
@@ -89,25 +100,27 @@ def _grouped_backward_op(
     received no rows get zero gradients."""
     edges = _group_edges(bounds, x.shape[0])
     need_x, need_S1, need_S2, need_bias = needs
-    grad_x = x.new_zeros(x.shape) if need_x else x.new_empty(0)
-    grad_S1 = torch.zeros_like(S1) if need_S1 else x.new_empty(0)
-    grad_S2 = torch.zeros_like(S2) if need_S2 else x.new_empty(0)
-    grad_bias = S2.new_zeros(S2.shape[0], S2.shape[-1]) if need_bias else x.new_empty(0)
+    rank = S1.shape[-1]
+    left, right = torch.cat((S1, U2), dim=-1), torch.cat((U1, S2), dim=-2)
+    grad_x = x.new_empty(x.shape) if need_x else x.new_empty(0)
+    grads = [torch.zeros_like(S1), torch.zeros_like(S2), S2.new_zeros(S2.shape[0], S2.shape[-1])]
     for e, (start, end) in enumerate(zip(edges[:-1], edges[1:])):
         if end == start:
             continue
         rows = slice(start, end)
-        saved = (x[rows], x_U2[rows], S1[e], U1[e], U2[e], S2[e])
-        gx, g1, g2, gb = rows_backward(grad_out[rows], None, saved, scale, tuple(needs))
-        for target, value in ((grad_x[rows] if need_x else None, gx), (grad_S1[e] if need_S1 else None, g1),
-                              (grad_S2[e] if need_S2 else None, g2), (grad_bias[e] if need_bias else None, gb)):
-            if target is not None:
-                target.copy_(value)
+        _, *expert_grads = stacked_rows_backward(
+            grad_out[rows], x[rows], hidden[rows, rank:], left[e], right[e], scale, tuple(needs),
+            grad_x[rows] if need_x else None,
+        )  # fmt: skip
+        for stack, value in zip(grads, expert_grads):
+            if value is not None:
+                stack[e].copy_(value)
+    grad_S1, grad_S2, grad_bias = (g if n else x.new_empty(0) for g, n in zip(grads, (need_S1, need_S2, need_bias)))
     return grad_x, grad_S1, grad_S2, grad_bias
 
 
 @_grouped_backward_op.register_fake
-def _(grad_out, x, x_U2, S1, U1, U2, S2, bounds, scale, needs):
+def _(grad_out, x, hidden, S1, U1, U2, S2, bounds, scale, needs):
     need_x, need_S1, need_S2, need_bias = needs
     return (
         torch.empty_like(x) if need_x else x.new_empty(0),
@@ -125,13 +138,13 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, output[1], S1, U1, U2, S2, bounds)
 
 
-def _backward(ctx, grad_out: Optional[Tensor], _grad_x_U2: Optional[Tensor]):
+def _backward(ctx, grad_out: Optional[Tensor], _grad_hidden: Optional[Tensor]):
     need = ctx.needs_input_grad
     needs = [need[0], need[1], need[4], ctx.has_bias and need[5]]
     if grad_out is None or not any(needs):
         return None, None, None, None, None, None, None, None
-    x, x_U2, S1, U1, U2, S2, bounds = ctx.saved_tensors
-    grads = _grouped_backward_op(grad_out, x, x_U2, S1, U1, U2, S2, bounds, ctx.scale, needs)
+    x, hidden, S1, U1, U2, S2, bounds = ctx.saved_tensors
+    grads = _grouped_backward_op(grad_out, x, hidden, S1, U1, U2, S2, bounds, ctx.scale, needs)
     grad_x, grad_S1, grad_S2, grad_bias = (g if n else None for g, n in zip(grads, needs))
     return grad_x, grad_S1, None, None, grad_S2, grad_bias, None, None
 

@@ -10,6 +10,17 @@ from panther_lite.nn.skexperts import IMPLEMENTATIONS
 pytestmark = pytest.mark.filterwarnings("ignore:.*more than the dense layer:UserWarning")
 
 
+@pytest.fixture
+def fresh_compile():
+    """Compile from scratch: the on-disk graph caches key on the traced graph, not on a custom
+    op's implementation, so an artifact compiled against an earlier version of the op could
+    be served instead of the code under test."""
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
 def trainable(sketched):
     return {name: p for name, p in sketched.named_parameters() if not name.startswith("shell.")}
 
@@ -69,8 +80,7 @@ def test_autocast_bfloat16_runs_the_products_in_bfloat16_with_float32_gradients(
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
-def test_compile_fullgraph_equals_eager_forward_and_backward(implementation, moe):
-    torch._dynamo.reset()
+def test_compile_fullgraph_equals_eager_forward_and_backward(implementation, moe, fresh_compile):
     sketched = SKExperts.from_experts(moe.dense_experts("gpt_oss"), 1, 2, implementation=implementation)
     hidden, index, weights = moe.routing(tokens=10, skip_expert=0)
     compiled = torch.compile(sketched, fullgraph=True)
@@ -85,8 +95,7 @@ def test_compile_fullgraph_equals_eager_forward_and_backward(implementation, moe
         torch.testing.assert_close(g_compiled, g_eager, rtol=1e-5, atol=1e-6)
 
 
-def test_eager_schedule_compiles_with_graph_breaks(moe):
-    torch._dynamo.reset()
+def test_eager_schedule_compiles_with_graph_breaks(moe, fresh_compile):
     sketched = SKExperts.from_experts(moe.dense_experts("mixtral"), 1, 2, implementation="eager")
     hidden, index, weights = moe.routing()
     with torch.no_grad():
