@@ -8,7 +8,8 @@ experts implementation (``config._experts_implementation``: ``grouped_mm``, ``ea
 values do not change the time) follows the same setting. Routing is fixed: ``--tokens``
 tokens with seeded random router logits, top-``k``. For every rank (``L = --num-terms``,
 ``k`` in ``--ranks``, rank ``2Lk``) dense and sketched are timed in alternation
-(:func:`panther_lite.benchmark.time_interleaved`); each row has both medians with their
+(:func:`panther_lite.benchmark.time_interleaved`, ``--threads`` CPU threads, 1 by default
+for stable timings on a shared machine); each row has both medians with their
 IQRs, the speed-up ``dense / sketched`` (median of the per-round ratios, with its IQR), the
 FLOP ratio that bounds it — per routed row, dense ``6·hidden·inter``, sketched
 ``4Lk·(2·hidden + 3·inter)`` — and the stored-parameter ratio. Forward runs without
@@ -65,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, default=["grouped_mm", "eager"])
     parser.add_argument("--warmup", type=non_negative_int, default=1)
     parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="torch CPU threads (default 1: stable timings on a shared machine)")
     parser.add_argument("--output-dir", type=Path, default=None, help="default: benchmarks/out/<device> (git-ignored)")
     args = parser.parse_args(argv)
     if args.top_k > args.experts:
@@ -131,6 +134,16 @@ def timed(dense: nn.Module, sketched: nn.Module, x: torch.Tensor, mode: str, arg
 
 
 def run(args: argparse.Namespace) -> pd.DataFrame:
+    """Every rank, implementation and mode with ``args.threads`` CPU threads (restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> pd.DataFrame:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     experts, config = dense_experts(args, device, dtype)
     x, index, weights = routing(args, device, dtype)

@@ -61,15 +61,14 @@ def _grouped_projection(projection, rows: Tensor, bounds: Tensor) -> Tensor:
 def grouped_experts(experts, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """The ``grouped_mm`` schedule (see the module docstring)."""
     tokens, top_k = top_k_index.shape
-    order, _, bounds = expert_groups(top_k_index.reshape(-1), experts.num_experts)
+    order, bounds = expert_groups(top_k_index.reshape(-1), experts.num_experts)
     rows = hidden_states[order // top_k]
     for index, projection in enumerate(experts.projections()):
         if index:
             rows = experts.activate(rows)
         rows = _grouped_projection(projection, rows, bounds)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    weights = top_k_weights.reshape(-1)
-    return _combine(experts, rows[inverse], weights, tokens, top_k, hidden_states.dtype)
+    unsorted = rows.new_empty(rows.shape).index_copy(0, order, rows)  # its backward is a gather
+    return _combine(experts, unsorted, top_k_weights.reshape(-1), tokens, top_k, hidden_states.dtype)
 
 
 def batched_experts(experts, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:

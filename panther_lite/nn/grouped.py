@@ -28,8 +28,8 @@ from .functional import stacked_rows_backward, stacked_rows_forward
 __all__ = ["expert_groups", "grouped_rows", "grouped_sketched_linear"]
 
 
-def expert_groups(expert_ids: Tensor, num_experts: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """Sort routed entries by expert: ``(order, sorted_ids, bounds)``.
+def expert_groups(expert_ids: Tensor, num_experts: int) -> Tuple[Tensor, Tensor]:
+    """Sort routed entries by expert: ``(order, bounds)``.
 
     ``expert_ids`` is 1-D; ``order`` the stable permutation that sorts it; ``bounds``
     ``(num_experts + 1,)`` the group edges: expert ``e`` owns sorted rows
@@ -39,7 +39,7 @@ def expert_groups(expert_ids: Tensor, num_experts: int) -> Tuple[Tensor, Tensor,
     """
     sorted_ids, order = torch.sort(expert_ids, stable=True)
     edges = torch.arange(num_experts + 1, device=expert_ids.device, dtype=sorted_ids.dtype)
-    return order, sorted_ids, torch.searchsorted(sorted_ids, edges)
+    return order, torch.searchsorted(sorted_ids, edges)
 
 
 def _group_edges(bounds: Tensor, rows: int) -> List[int]:
@@ -74,13 +74,19 @@ def grouped_rows(
 @torch.library.custom_op("panther_lite::grouped_sketched_linear", mutates_args=())
 def _grouped_op(
     x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], bounds: Tensor, scale: float
-) -> Tuple[Tensor, Tensor]:
-    return grouped_rows(x, torch.cat((S1, U2), dim=-1), torch.cat((U1, S2), dim=-2), bias, bounds, scale)
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(out, hidden, left, right)``: the stacked factors are outputs too, so the backward
+    reuses them instead of concatenating the factors again."""
+    left, right = torch.cat((S1, U2), dim=-1), torch.cat((U1, S2), dim=-2)
+    out, hidden = grouped_rows(x, left, right, bias, bounds, scale)
+    return out, hidden, left, right
 
 
 @_grouped_op.register_fake
 def _(x, S1, U1, U2, S2, bias, bounds, scale):
-    return x.new_empty(x.shape[0], S2.shape[-1]), x.new_empty(x.shape[0], 2 * U2.shape[-1])
+    left = S1.new_empty(*S1.shape[:-1], 2 * S1.shape[-1])
+    right = S2.new_empty(S2.shape[0], 2 * S2.shape[1], S2.shape[-1])
+    return x.new_empty(x.shape[0], S2.shape[-1]), x.new_empty(x.shape[0], left.shape[-1]), left, right
 
 
 @torch.library.custom_op("panther_lite::grouped_sketched_linear_backward", mutates_args=())
@@ -88,10 +94,8 @@ def _grouped_backward_op(
     grad_out: Tensor,
     x: Tensor,
     hidden: Tensor,
-    S1: Tensor,
-    U1: Tensor,
-    U2: Tensor,
-    S2: Tensor,
+    left: Tensor,
+    right: Tensor,
     bounds: Tensor,
     scale: float,
     needs: List[bool],
@@ -100,33 +104,37 @@ def _grouped_backward_op(
     received no rows get zero gradients."""
     edges = _group_edges(bounds, x.shape[0])
     need_x, need_S1, need_S2, need_bias = needs
-    rank = S1.shape[-1]
-    left, right = torch.cat((S1, U2), dim=-1), torch.cat((U1, S2), dim=-2)
+    experts, rank = left.shape[0], left.shape[-1] // 2
     grad_x = x.new_empty(x.shape) if need_x else x.new_empty(0)
-    grads = [torch.zeros_like(S1), torch.zeros_like(S2), S2.new_zeros(S2.shape[0], S2.shape[-1])]
+    grads = [
+        left.new_empty(experts, left.shape[1], rank) if need_S1 else None,
+        right.new_empty(experts, rank, right.shape[-1]) if need_S2 else None,
+        right.new_empty(experts, right.shape[-1]) if need_bias else None,
+    ]
     for e, (start, end) in enumerate(zip(edges[:-1], edges[1:])):
-        if end == start:
-            continue
         rows = slice(start, end)
-        _, *expert_grads = stacked_rows_backward(
-            grad_out[rows], x[rows], hidden[rows, rank:], left[e], right[e], scale, tuple(needs),
-            grad_x[rows] if need_x else None,
-        )  # fmt: skip
+        expert_grads = (None,) * 3
+        if end > start:
+            _, *expert_grads = stacked_rows_backward(
+                grad_out[rows], x[rows], hidden[rows, rank:], left[e], right[e], scale, tuple(needs),
+                grad_x[rows] if need_x else None,
+            )  # fmt: skip
         for stack, value in zip(grads, expert_grads):
-            if value is not None:
-                stack[e].copy_(value)
-    grad_S1, grad_S2, grad_bias = (g if n else x.new_empty(0) for g, n in zip(grads, (need_S1, need_S2, need_bias)))
+            if stack is not None:
+                stack[e].zero_() if value is None else stack[e].copy_(value)
+    grad_S1, grad_S2, grad_bias = (x.new_empty(0) if g is None else g for g in grads)
     return grad_x, grad_S1, grad_S2, grad_bias
 
 
 @_grouped_backward_op.register_fake
-def _(grad_out, x, hidden, S1, U1, U2, S2, bounds, scale, needs):
+def _(grad_out, x, hidden, left, right, bounds, scale, needs):
     need_x, need_S1, need_S2, need_bias = needs
+    experts, rank = left.shape[0], left.shape[-1] // 2
     return (
         torch.empty_like(x) if need_x else x.new_empty(0),
-        torch.empty_like(S1) if need_S1 else x.new_empty(0),
-        torch.empty_like(S2) if need_S2 else x.new_empty(0),
-        S2.new_empty(S2.shape[0], S2.shape[-1]) if need_bias else x.new_empty(0),
+        left.new_empty(experts, left.shape[1], rank) if need_S1 else x.new_empty(0),
+        right.new_empty(experts, rank, right.shape[-1]) if need_S2 else x.new_empty(0),
+        right.new_empty(experts, right.shape[-1]) if need_bias else x.new_empty(0),
     )
 
 
@@ -135,16 +143,17 @@ def _setup_context(ctx, inputs, output):
     ctx.scale = scale
     ctx.has_bias = bias is not None
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, output[1], S1, U1, U2, S2, bounds)
+    _, hidden, left, right = output
+    ctx.save_for_backward(x, hidden, left, right, bounds)
 
 
-def _backward(ctx, grad_out: Optional[Tensor], _grad_hidden: Optional[Tensor]):
+def _backward(ctx, grad_out: Optional[Tensor], *_internal_grads: Optional[Tensor]):
     need = ctx.needs_input_grad
     needs = [need[0], need[1], need[4], ctx.has_bias and need[5]]
     if grad_out is None or not any(needs):
         return None, None, None, None, None, None, None, None
-    x, hidden, S1, U1, U2, S2, bounds = ctx.saved_tensors
-    grads = _grouped_backward_op(grad_out, x, hidden, S1, U1, U2, S2, bounds, ctx.scale, needs)
+    x, hidden, left, right, bounds = ctx.saved_tensors
+    grads = _grouped_backward_op(grad_out, x, hidden, left, right, bounds, ctx.scale, needs)
     grad_x, grad_S1, grad_S2, grad_bias = (g if n else None for g, n in zip(grads, needs))
     return grad_x, grad_S1, None, None, grad_S2, grad_bias, None, None
 
