@@ -21,7 +21,7 @@ from .conversion import (
     save_pretrained,
     tune,
 )
-from .nn import SKConv1d, SKConv2d, SKConv3d, SKLinear
+from .nn import SKConv1d, SKConv2d, SKConv3d, SKExperts, SKLinear
 
 __version__ = "0.2.0"
 
@@ -30,6 +30,7 @@ __all__ = [
     "SKConv1d",
     "SKConv2d",
     "SKConv3d",
+    "SKExperts",
     "convert",
     "ConvertConfig",
     "RefineConfig",

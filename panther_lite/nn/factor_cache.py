@@ -50,13 +50,14 @@ def _signature(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> 
 
 
 def concatenate_factors(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
-    """``([S1 | U2], scale·[U1; S2])``, uncached and detached."""
+    """``([S1 | U2], scale·[U1; S2])``, uncached and detached. The factors may carry leading
+    (stack) dimensions: ``S1`` ``(*, in, R)`` gives ``left`` ``(*, in, 2R)`` and ``right`` ``(*, 2R, out)``."""
     with torch.no_grad():
-        return torch.cat((S1, U2), dim=1), torch.cat((U1, S2), dim=0).mul_(scale)
+        return torch.cat((S1, U2), dim=-1), torch.cat((U1, S2), dim=-2).mul_(scale)
 
 
 def stacked_factors(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
-    """``([S1 | U2], scale·[U1; S2])`` of shapes ``(in, 2R)`` and ``(2R, out)``, cached
+    """``([S1 | U2], scale·[U1; S2])`` of shapes ``(*, in, 2R)`` and ``(*, 2R, out)``, cached
     while the factors are unchanged, so ``y = (x·left)·right`` is two GEMMs whose products
     are already at the output's scale. Inference tensors (no version counter) are never
     cached."""

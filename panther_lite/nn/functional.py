@@ -59,11 +59,12 @@ def _stacked(rows: int, rank: int) -> bool:
     return rows >= _STACKED_ROWS_PER_RANK * rank
 
 
-def _scaled_product(bias: Optional[Tensor], a: Tensor, b: Tensor, scale: float) -> Tensor:
-    """``scale · a·b (+ bias)`` with the scale applied inside the GEMM (no unscaled fp16 product)."""
+def _scaled_product(bias: Optional[Tensor], a: Tensor, b: Tensor, scale: float, out: Optional[Tensor] = None) -> Tensor:
+    """``scale · a·b (+ bias)`` with the scale applied inside the GEMM (no unscaled fp16
+    product), into ``out`` when given."""
     if bias is None:
-        return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=scale)
-    return torch.addmm(bias, a, b, alpha=scale)
+        return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=scale, out=out)
+    return torch.addmm(bias, a, b, alpha=scale, out=out)
 
 
 def _split_product(
@@ -75,16 +76,66 @@ def _split_product(
     return out.addmm_(x_U2, S2, alpha=scale), x_U2
 
 
+def stacked_rows_forward(
+    x: Tensor,
+    left: Tensor,
+    right: Tensor,
+    bias: Optional[Tensor],
+    scale: float,
+    out: Optional[Tensor] = None,
+    hidden: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """The stacked schedule: ``hidden = x·[S1 | U2]`` ``(rows, 2R)``, then
+    ``out = scale·hidden·[U1; S2] (+ bias)``; written into ``out``/``hidden`` when given
+    (the grouped experts op passes row slices of its outputs). Returns ``(out, hidden)``."""
+    hidden = torch.mm(x, left, out=hidden)
+    return _scaled_product(bias, hidden, right, scale, out), hidden
+
+
+def stacked_rows_backward(
+    grad_out: Tensor,
+    x: Tensor,
+    x_U2: Tensor,
+    left: Tensor,
+    right: Tensor,
+    scale: float,
+    needs: Tuple[bool, bool, bool, bool],
+    grad_x: Optional[Tensor] = None,
+) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Gradients ``(x, S1, S2, bias)`` of :func:`stacked_rows_forward` (None where ``needs``
+    says not needed), ``grad_x`` written into the given buffer; the scale stays inside the GEMMs."""
+    need_x, need_S1, need_S2, need_bias = needs
+    rank = left.shape[1] // 2
+    grad_S1 = grad_S2 = grad_bias = None
+    if need_x or need_S1:
+        grad_hidden = _scaled_product(None, grad_out, right.t(), scale)  # [d/d(x·S1) | d/d(x·U2)]
+        if need_x:
+            grad_x = torch.mm(grad_hidden, left.t(), out=grad_x)
+        if need_S1:
+            grad_S1 = x.t() @ grad_hidden[:, :rank]
+    if need_S2:
+        grad_S2 = _scaled_product(None, x_U2.t(), grad_out, scale)
+    if need_bias:
+        grad_bias = grad_out.sum(0)
+    return grad_x if need_x else None, grad_S1, grad_S2, grad_bias
+
+
+def rows_forward(
+    x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float
+) -> Tuple[Tensor, Tensor]:
+    """The op's forward on ``(rows, in)``: ``(y, x·U2)``, by the stacked or split schedule."""
+    rank = S1.shape[1]
+    if _stacked(x.shape[0], rank):
+        out, hidden = stacked_rows_forward(x, torch.cat((S1, U2), dim=1), torch.cat((U1, S2), dim=0), bias, scale)
+        return out, hidden[:, rank:].clone()
+    return _split_product(x, S1, U1, U2, S2, bias, scale)
+
+
 @torch.library.custom_op("panther_lite::sketched_linear", mutates_args=())
 def _sketched_linear_op(
     x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float
 ) -> Tuple[Tensor, Tensor]:
-    rank = S1.shape[1]
-    if _stacked(x.shape[0], rank):
-        hidden = x @ torch.cat((S1, U2), dim=1)
-        out = _scaled_product(bias, hidden, torch.cat((U1, S2), dim=0), scale)
-        return out, hidden[:, rank:].clone()
-    return _split_product(x, S1, U1, U2, S2, bias, scale)
+    return rows_forward(x, S1, U1, U2, S2, bias, scale)
 
 
 @_sketched_linear_op.register_fake
@@ -102,34 +153,47 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x if need_S1 else None, x_U2 if need_S2 else None, S1, U1, U2, S2)
 
 
-def _backward(ctx, grad_out: Optional[Tensor], grad_x_U2: Optional[Tensor]):
-    x, x_U2, S1, U1, U2, S2 = ctx.saved_tensors
-    rank = S1.shape[1]
-    need_x, need_S1, need_S2 = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4]
+def rows_backward(
+    grad_out: Optional[Tensor],
+    grad_x_U2: Optional[Tensor],
+    saved: Tuple[Optional[Tensor], ...],
+    scale: float,
+    needs: Tuple[bool, bool, bool, bool],
+) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Gradients ``(x, S1, S2, bias)`` of :func:`rows_forward` (None where not needed).
+
+    ``saved`` is ``(x, x·U2, S1, U1, U2, S2)`` (``x`` may be None unless ``S1`` needs a
+    gradient, ``x·U2`` unless ``S2`` does); ``needs`` says which of ``x``, ``S1``, ``S2``
+    and the bias need one."""
+    x, x_U2, S1, U1, U2, S2 = saved
+    need_x, need_S1, need_S2, need_bias = needs
     grad_x = grad_S1 = grad_S2 = grad_bias = None
     if grad_out is None:  # only the internal x·U2 output was used
         if need_x and grad_x_U2 is not None:
             grad_x = grad_x_U2 @ U2.t()
-        return grad_x, None, None, None, None, None, None
-    g = grad_out * ctx.scale
+        return grad_x, None, None, None
+    if need_x and grad_x_U2 is None and _stacked(grad_out.shape[0], S1.shape[1]):
+        left, right = torch.cat((S1, U2), dim=1), torch.cat((U1, S2), dim=0)
+        return stacked_rows_backward(grad_out, x, x_U2, left, right, scale, needs)
+    g = grad_out * scale
     if need_x or need_S1:
-        if need_x and _stacked(g.shape[0], rank):
-            grad_hidden = g @ torch.cat((U1, S2), dim=0).t()  # [d/d(x·S1) | d/d(x·U2)]
-            if grad_x_U2 is not None:
-                grad_hidden[:, rank:] += grad_x_U2
-            grad_x = grad_hidden @ torch.cat((S1, U2), dim=1).t()
-            grad_x_S1 = grad_hidden[:, :rank]
-        else:
-            grad_x_S1 = g @ U1.t()
-            if need_x:
-                grad_wrt_x_U2 = g @ S2.t() if grad_x_U2 is None else torch.addmm(grad_x_U2, g, S2.t())
-                grad_x = (grad_x_S1 @ S1.t()).addmm_(grad_wrt_x_U2, U2.t())
+        grad_x_S1 = g @ U1.t()
+        if need_x:
+            grad_wrt_x_U2 = g @ S2.t() if grad_x_U2 is None else torch.addmm(grad_x_U2, g, S2.t())
+            grad_x = (grad_x_S1 @ S1.t()).addmm_(grad_wrt_x_U2, U2.t())
         if need_S1:
             grad_S1 = x.t() @ grad_x_S1
     if need_S2:
         grad_S2 = x_U2.t() @ g
-    if ctx.has_bias and ctx.needs_input_grad[5]:
+    if need_bias:
         grad_bias = grad_out.sum(0)
+    return grad_x, grad_S1, grad_S2, grad_bias
+
+
+def _backward(ctx, grad_out: Optional[Tensor], grad_x_U2: Optional[Tensor]):
+    need = ctx.needs_input_grad
+    needs = (need[0], need[1], need[4], ctx.has_bias and need[5])
+    grad_x, grad_S1, grad_S2, grad_bias = rows_backward(grad_out, grad_x_U2, ctx.saved_tensors, ctx.scale, needs)
     return grad_x, grad_S1, None, None, grad_S2, grad_bias, None
 
 
@@ -193,7 +257,7 @@ def autocast_enabled_on(device_type: str) -> bool:
     return available and torch.is_autocast_enabled(device_type)
 
 
-def _cast_operands(x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor]) -> tuple:
+def cast_operands(x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor]) -> tuple:
     """The sketches in the factors' dtype, then autocast's casts (none when it is off)."""
     if U1.dtype != S1.dtype or U2.dtype != S1.dtype:
         U1, U2 = U1.to(S1.dtype), U2.to(S1.dtype)
@@ -207,19 +271,23 @@ def _cast_operands(x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bi
     return x, S1, U1, U2, S2, bias
 
 
-def _check_operands(x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor]) -> None:
+def check_operands(
+    x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], what: str = "sketched_linear"
+) -> None:
+    """TypeError/ValueError (prefixed by ``what``) unless every operand has the input's dtype and device."""
     named = [("S1", S1), ("U1", U1), ("U2", U2), ("S2", S2)] + ([("bias", bias)] if bias is not None else [])
     for name, t in named:
         if t.dtype != x.dtype:
             raise TypeError(
-                f"sketched_linear: {name} has dtype {t.dtype} but the input has {x.dtype}; "
+                f"{what}: {name} has dtype {t.dtype} but the input has {x.dtype}; "
                 "cast one of them (autocast leaves float64 alone)"
             )
         if t.device != x.device:
-            raise ValueError(f"sketched_linear: {name} is on {t.device} but the input is on {x.device}")
+            raise ValueError(f"{what}: {name} is on {t.device} but the input is on {x.device}")
 
 
-def _needs_grad(x: Tensor, S1: Tensor, S2: Tensor, bias: Optional[Tensor]) -> bool:
+def needs_grad(x: Tensor, S1: Tensor, S2: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether autograd records a product of these operands (grad mode on, one requires grad)."""
     if not torch.is_grad_enabled():
         return False
     return x.requires_grad or S1.requires_grad or S2.requires_grad or (bias is not None and bias.requires_grad)
@@ -249,15 +317,15 @@ def _rows_product(
     capturing = torch.compiler.is_compiling() or torch.jit.is_tracing()
     if not capturing:
         if _under_transform():
-            _check_operands(x, S1, U1, U2, S2, bias)
+            check_operands(x, S1, U1, U2, S2, bias)
             return _composable_product(x, S1, U1, U2, S2, bias, scale)
-        if not _needs_grad(x, S1, S2, bias):
+        if not needs_grad(x, S1, S2, bias):
             try:
                 return _no_grad_product(x, S1, U1, U2, S2, bias, scale, cacheable)
             except RuntimeError:
-                _check_operands(x, S1, U1, U2, S2, bias)  # checked lazily: the clear error for mismatched operands
+                check_operands(x, S1, U1, U2, S2, bias)  # checked lazily: the clear error for mismatched operands
                 raise
-    _check_operands(x, S1, U1, U2, S2, bias)
+    check_operands(x, S1, U1, U2, S2, bias)
     if capturing and torch.onnx.is_in_onnx_export():
         return _onnx_product(x, S1, U1, U2, S2, bias, scale)
     return _sketched_linear_op(x, S1, U1, U2, S2, bias, scale)[0]
@@ -284,7 +352,7 @@ def sketched_linear(
     """
     if U1.requires_grad or U2.requires_grad:
         raise ValueError("U1 and U2 are fixed sketches and get no gradient; train S1 and S2 instead")
-    x, S1c, U1c, U2c, S2c, bias = _cast_operands(x, S1, U1, U2, S2, bias)
+    x, S1c, U1c, U2c, S2c, bias = cast_operands(x, S1, U1, U2, S2, bias)
     cacheable = S1c is S1 and U1c is U1 and U2c is U2 and S2c is S2  # no per-call copies to cache
     if x.dim() == 2:
         return _rows_product(x, S1c, U1c, U2c, S2c, bias, scale, cacheable)

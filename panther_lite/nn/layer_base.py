@@ -195,17 +195,23 @@ class SketchedLayer(nn.Module):
         self, weight: Tensor, init: str, gram: Optional[Tensor], generator: Optional[torch.Generator], fit: str
     ) -> None:
         """Represent the (validated) dense ``weight``: every factor is computed before any is set."""
+        values = self._factor_values(weight, init, gram, generator, fit)
+        for target, value in zip(self._factors(), values):
+            target.copy_(value.view_as(target))
+        self.init = init
+
+    def _factor_values(
+        self, weight: Tensor, init: str, gram: Optional[Tensor], generator: Optional[torch.Generator], fit: str
+    ) -> Tuple[Tensor, ...]:
+        """The factors representing ``weight`` as one ``(fan_out, fan_in)`` matrix, computed in
+        the decomposition dtype on the factors' device."""
         device = self._factors()[0].device
         work_dtype = decomposition_dtype(weight)
         matrix = weight.detach().to(device=device, dtype=work_dtype).reshape(self.fan_out, self.fan_in)
         if init == "svd":
             g = None if gram is None else gram.detach().to(device=device, dtype=work_dtype)
-            values = self._svd_factors(matrix, g, fit)
-        else:
-            values = self._sketch_factors(matrix, generator)
-        for target, value in zip(self._factors(), values):
-            target.copy_(value.view_as(target))
-        self.init = init
+            return self._svd_factors(matrix, g, fit)
+        return self._sketch_factors(matrix, generator)
 
     # ------------------------------------------------------------------ the dense twin
 

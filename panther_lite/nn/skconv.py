@@ -107,19 +107,19 @@ class _SKConvNd(SketchedLayer):
         self,
         in_channels: int,
         out_channels: int,
-        kernel_size: _IntOrTuple = 3,
+        kernel_size: _IntOrTuple,
         stride: _IntOrTuple = 1,
-        padding: Union[str, _IntOrTuple] = 1,
+        padding: Union[str, _IntOrTuple] = 0,
         dilation: _IntOrTuple = 1,
         groups: int = 1,
         bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype: Optional[torch.dtype] = None,
+        *,
         num_terms: int = 6,
         low_rank: int = 8,
         layer: Optional[nn.Module] = None,
-        dtype: Optional[torch.dtype] = None,
-        device=None,
-        *,
-        padding_mode: str = "zeros",
         init: str = "sketch",
         seed: Optional[int] = None,
     ) -> None:
@@ -327,21 +327,27 @@ def _named_from_dense(dense_class: type, fan_in_name: str) -> classmethod:
 
 
 _SHARED_DOC = """
+    The arguments up to ``dtype`` are ``nn.Conv{d}d``'s, in its order and with its defaults
+    (``kernel_size`` required, ``stride=1``, ``padding=0``, ...), so swapping one class for
+    the other keeps every call and every output shape; the sketch's own arguments are
+    keyword-only.
+
     Args:
         in_channels, out_channels: ``C_in`` and ``C_out``.
         kernel_size, stride, dilation: int or tuple, as in ``nn.Conv{d}d``.
         padding: int, tuple, ``"valid"`` or ``"same"`` (stride 1 only; even kernels are
-            padded asymmetrically exactly like ``F.conv{d}d(padding="same")``).
+            padded asymmetrically exactly like ``F.conv{d}d(padding="same")``). Default 0.
         groups: only 1 is supported (ValueError otherwise).
         bias: learn an additive bias.
-        num_terms: ``L``; the layer has ``2L`` terms.
-        low_rank: ``k``, the rank of each term.
+        padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"``.
+        device, dtype: where and in which dtype the factors are created.
+        num_terms: ``L``; the layer has ``2L`` terms (keyword-only).
+        low_rank: ``k``, the rank of each term (keyword-only).
         layer: optional ``nn.Conv{d}d`` (same channels and kernel size, ``groups=1``) whose
-            weight and bias the layer starts from (the anchor's argument); it supplies
-            weights only (its bias must exist exactly when ``bias=True``);
+            weight and bias the layer starts from (the anchor's argument, keyword-only); it
+            supplies weights only (its bias must exist exactly when ``bias=True``);
             stride/padding/dilation are this layer's own arguments.
             Default: a kernel drawn with ``nn.Conv{d}d``'s init.
-        padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"``.
         init: ``"sketch"`` — random ±1/√k sign sketches ``U_i`` and ``S_i = U_i K_mat``
             (the anchor's math, an unbiased estimate of the kernel; its intermediate
             ``conv(x, S)`` is about ``√(C_out/k)`` times the output, which can overflow in

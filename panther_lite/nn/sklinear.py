@@ -1,24 +1,21 @@
 """SKLinear: a drop-in replacement for ``nn.Linear`` built from sums of low-rank terms."""
 from __future__ import annotations
 
-import math
 from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..sketch.dense import sign_matrix
 from .functional import sketched_linear
-from .layer_base import SketchedLayer
-from .low_rank_fit import sketch_factors_from_weight
+from .linear_factors import LinearFactorsLayer
 from .rank_selection import SketchSize, sketch_size
-from .validation import check_positive_int, check_sketch_fits_a_tensor, check_tensor
+from .validation import check_tensor
 
 __all__ = ["SKLinear"]
 
 
-class SKLinear(SketchedLayer):
+class SKLinear(LinearFactorsLayer):
     r"""Sketched linear layer: ``y = 1/(2L) · Σ_i (x S1_i U1_i + x U2_i S2_i) + b``.
 
     With ``L = num_terms`` and ``k = low_rank``, term ``i`` has trainable ``S1_i``
@@ -36,6 +33,8 @@ class SKLinear(SketchedLayer):
         W_init: optional dense weight ``(out_features, in_features)`` (``nn.Linear``
             layout) to start from; default: ``nn.Linear``'s Kaiming-uniform init.
         bias: learn an additive bias.
+        device, dtype: where and in which dtype the factors are created, as for ``nn.Linear``
+            (same positions: ``bias``, ``device``, ``dtype`` after the sketch arguments).
         init: ``"sketch"`` — random ±1/√k sign sketches ``U`` and ``S1 = Wᵀ U1ᵀ``,
             ``S2 = U2ᵀ Wᵀ`` (the Panther/anchor math, an unbiased estimate of ``W``);
             its intermediate ``x·S1`` is a random projection of the output ``x·Wᵀ``, about
@@ -55,11 +54,8 @@ class SKLinear(SketchedLayer):
     """
 
     __constants__ = ["in_features", "out_features", "num_terms", "low_rank"]
-    _factor_names = ("S1", "U1", "U2", "S2")
-    _trainable_names = ("S1", "S2")
     _dense_class = nn.Linear
     _weight_layout = "(out_features, in_features)"
-    _fan_in_name = "in_features"
 
     def __init__(
         self,
@@ -69,56 +65,21 @@ class SKLinear(SketchedLayer):
         low_rank: int,
         W_init: Optional[Tensor] = None,
         bias: bool = True,
-        dtype: Optional[torch.dtype] = None,
         device=None,
+        dtype: Optional[torch.dtype] = None,
         *,
         init: str = "sketch",
         seed: Optional[int] = None,
     ) -> None:
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__(num_terms, low_rank, init, seed)
-        self.in_features = check_positive_int("in_features", in_features)
-        self.out_features = check_positive_int("out_features", out_features)
-        check_sketch_fits_a_tensor(self.num_terms, self.low_rank, in_features, out_features)
-        if W_init is not None:
-            self._check_dense_weight("W_init", W_init, values=False)
-        rank = self.num_terms * self.low_rank
-        self.S1 = nn.Parameter(torch.empty(in_features, rank, **factory_kwargs))
-        self.S2 = nn.Parameter(torch.empty(rank, out_features, **factory_kwargs))
-        self.register_buffer("U1", torch.empty(rank, out_features, **factory_kwargs))
-        self.register_buffer("U2", torch.empty(in_features, rank, **factory_kwargs))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, **factory_kwargs))
-        else:
-            self.register_parameter("bias", None)
+        self._register_factors((), in_features, out_features, bias, factory_kwargs, W_init)
         self._initialize("W_init", W_init, None)
-
-    @property
-    def fan_in(self) -> int:
-        """``in_features``."""
-        return self.in_features
-
-    @property
-    def fan_out(self) -> int:
-        """``out_features``."""
-        return self.out_features
 
     @property
     def dense_weight_shape(self) -> Tuple[int, int]:
         """``(out_features, in_features)``, the ``nn.Linear`` layout."""
         return (self.out_features, self.in_features)
-
-    def _svd_factors(self, matrix: Tensor, gram: Optional[Tensor], fit: str) -> Tuple[Tensor, ...]:
-        return sketch_factors_from_weight(matrix, self.num_terms, self.low_rank, gram, method=fit, seed=self.seed)
-
-    def _sketch_factors(self, matrix: Tensor, generator: Optional[torch.Generator]) -> Tuple[Tensor, ...]:
-        rank = self.num_terms * self.low_rank
-        kwargs = dict(generator=generator, dtype=matrix.dtype, device=matrix.device)
-        # sign_matrix scales by 1/sqrt(rows) = 1/sqrt(L*k); each term wants 1/sqrt(k).
-        to_per_term_scale = math.sqrt(self.num_terms)
-        U1 = sign_matrix(rank, self.out_features, **kwargs) * to_per_term_scale
-        U2 = sign_matrix(rank, self.in_features, **kwargs).t() * to_per_term_scale
-        return matrix.t() @ U1.t(), U1, U2, U2.t() @ matrix.t()
 
     def forward(self, input: Tensor) -> Tensor:
         if not isinstance(input, Tensor) or input.dim() == 0 or input.shape[-1] != self.in_features:

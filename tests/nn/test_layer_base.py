@@ -250,7 +250,7 @@ def test_invalid_calibration_grams_are_rejected_with_a_reason(kind):
 
 def test_fit_method_reaches_the_decomposition(monkeypatch):
     import panther_lite.nn.skconv as skconv
-    import panther_lite.nn.sklinear as sklinear
+    import panther_lite.nn.linear_factors as sklinear
 
     seen = []
     for module, name in ((sklinear, "sketch_factors_from_weight"), (skconv, "output_subspace")):
@@ -315,7 +315,7 @@ def test_from_dense_rejects_other_layer_types_and_to_dense_leaves_the_global_rng
 
 def test_size_warning_names_the_layer_configuration():
     with pytest.warns(UserWarning, match=r"SKConv1d\(4, 4, kernel_size=\(3,\).*more than the dense"):
-        SKConv1d(4, 4, num_terms=2, low_rank=8)
+        SKConv1d(4, 4, 3, num_terms=2, low_rank=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        SKConv3d(16, 16, num_terms=1, low_rank=4)
+        SKConv3d(16, 16, 3, num_terms=1, low_rank=4)

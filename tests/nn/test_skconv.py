@@ -19,11 +19,13 @@ FAMILY = {1: (SKConv1d, nn.Conv1d, F.conv1d), 2: (SKConv2d, nn.Conv2d, F.conv2d)
 FROM_DENSE = {1: "from_conv1d", 2: "from_conv2d", 3: "from_conv3d"}
 
 
-def make_layer(c_in, c_out, L=2, k=3, dtype=torch.float64, seed=0, dims=2, **kwargs):
+def make_layer(c_in, c_out, L=2, k=3, dtype=torch.float64, seed=0, dims=2, kernel_size=3, padding=1, **kwargs):
     """A layer with random S (so tests do not depend on how S was initialised)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        layer = FAMILY[dims][0](c_in, c_out, num_terms=L, low_rank=k, dtype=dtype, seed=seed, **kwargs)
+        layer = FAMILY[dims][0](
+            c_in, c_out, kernel_size, padding=padding, num_terms=L, low_rank=k, dtype=dtype, seed=seed, **kwargs
+        )
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 1)
         layer.S.copy_(torch.randn(layer.S.shape, generator=gen, dtype=dtype))
@@ -217,9 +219,9 @@ def test_sketch_init_error_matches_theory_and_is_unbiased():
 
 
 def test_seed_reproduces_sketches_with_per_term_scale():
-    a = SKConv2d(4, 16, num_terms=2, low_rank=2, seed=7)
-    b = SKConv2d(4, 16, num_terms=2, low_rank=2, seed=7)
-    c = SKConv2d(4, 16, num_terms=2, low_rank=2, seed=8)
+    a = SKConv2d(4, 16, 3, num_terms=2, low_rank=2, seed=7)
+    b = SKConv2d(4, 16, 3, num_terms=2, low_rank=2, seed=7)
+    c = SKConv2d(4, 16, 3, num_terms=2, low_rank=2, seed=8)
     assert torch.equal(a.U, b.U)
     assert not torch.equal(a.U, c.U)
     torch.testing.assert_close(a.U.abs(), torch.full_like(a.U, 1 / math.sqrt(2)))
@@ -276,28 +278,28 @@ def test_layer_argument_initialises_from_a_conv():
 
 def test_groups_and_bad_options_raise_clear_errors():
     with pytest.raises(ValueError, match="groups=1"):
-        SKConv2d(4, 4, groups=2, num_terms=1, low_rank=1)
+        SKConv2d(4, 4, 3, groups=2, num_terms=1, low_rank=1)
     with pytest.raises(ValueError, match="groups=1"):
         SKConv2d.from_conv2d(nn.Conv2d(4, 4, 3, groups=2), 1, 1)
     with pytest.raises(ValueError, match="strided"):
-        SKConv2d(4, 4, padding="same", stride=2, num_terms=1, low_rank=1)
+        SKConv2d(4, 4, 3, padding="same", stride=2, num_terms=1, low_rank=1)
     with pytest.raises(ValueError, match="padding_mode"):
-        SKConv2d(4, 4, padding_mode="mirror", num_terms=1, low_rank=1)
+        SKConv2d(4, 4, 3, padding_mode="mirror", num_terms=1, low_rank=1)
     with pytest.raises(ValueError, match="padding"):
-        SKConv2d(4, 4, padding="full", num_terms=1, low_rank=1)
+        SKConv2d(4, 4, 3, padding="full", num_terms=1, low_rank=1)
     with pytest.raises(ValueError, match="padding"):
-        SKConv2d(4, 4, padding=-1, num_terms=1, low_rank=1)
+        SKConv2d(4, 4, 3, padding=-1, num_terms=1, low_rank=1)
     for arg in ("kernel_size", "stride", "dilation"):
         with pytest.raises(ValueError, match=arg):
-            SKConv2d(4, 4, num_terms=1, low_rank=1, **{arg: 0})
+            SKConv2d(4, 4, num_terms=1, low_rank=1, **{"kernel_size": 3, arg: 0})
     for arg in ("in_channels", "out_channels"):
         with pytest.raises(ValueError, match=arg):
-            SKConv2d(**{"in_channels": 4, "out_channels": 4, arg: 0})
+            SKConv2d(**{"in_channels": 4, "out_channels": 4, "kernel_size": 3, arg: 0})
     for arg in ("num_terms", "low_rank"):
         with pytest.raises(ValueError, match=arg):
-            SKConv2d(4, 4, **{"num_terms": 1, "low_rank": 1, arg: 0})
+            SKConv2d(4, 4, 3, **{"num_terms": 1, "low_rank": 1, arg: 0})
     with pytest.raises(ValueError, match="init"):
-        SKConv2d(4, 4, num_terms=1, low_rank=1, init="random")
+        SKConv2d(4, 4, 3, num_terms=1, low_rank=1, init="random")
     with pytest.raises(TypeError, match="nn.Conv2d"):
         SKConv2d.from_conv2d(nn.Linear(3, 3), 1, 1)
     with pytest.raises(ValueError, match="init='svd'"):
@@ -312,7 +314,7 @@ def test_groups_and_bad_options_raise_clear_errors():
     [((2, 5, 8, 8), "C_in=4"), ((4, 8), "C_in=4"), ((1, 1, 4, 8, 8), "C_in=4"), ((5, 8, 8), "got shape \\(5, 8, 8\\)")],
 )
 def test_bad_input_raises_naming_what_was_expected(shape, match):
-    layer = SKConv2d(4, 6, num_terms=1, low_rank=1)
+    layer = SKConv2d(4, 6, 3, num_terms=1, low_rank=1)
     with pytest.raises(ValueError, match=match):
         layer(torch.randn(shape))
 
@@ -339,10 +341,10 @@ def test_parameter_counts_say_what_they_count_and_large_configs_warn():
     no_bias = SKConv2d(16, 32, 3, bias=False, num_terms=1, low_rank=4).parameter_counts()
     assert no_bias.trainable == 8 * 16 * 9
     with pytest.warns(UserWarning, match="more than the dense"):
-        SKConv2d(4, 4, num_terms=6, low_rank=8)
+        SKConv2d(4, 4, 3, num_terms=6, low_rank=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        SKConv2d(64, 64, num_terms=1, low_rank=8)
+        SKConv2d(64, 64, 3, num_terms=1, low_rank=8)
 
 
 def test_extra_repr_names_the_configuration():
@@ -428,8 +430,8 @@ def test_cuda_forward_backward_matches_float64_reference(dtype, tol, channels_la
 
 @pytest.mark.cuda
 def test_cuda_seed_gives_the_same_sketch_as_cpu():
-    cpu = SKConv2d(4, 16, num_terms=1, low_rank=4, seed=5)
-    gpu = SKConv2d(4, 16, num_terms=1, low_rank=4, seed=5, device="cuda")
+    cpu = SKConv2d(4, 16, 3, num_terms=1, low_rank=4, seed=5)
+    gpu = SKConv2d(4, 16, 3, num_terms=1, low_rank=4, seed=5, device="cuda")
     assert torch.equal(gpu.U.cpu(), cpu.U)
 
 
@@ -609,8 +611,8 @@ def test_channels_last_3d_input_gives_same_result_and_stays_channels_last_3d():
 @pytest.mark.parametrize("dims", [1, 3])
 def test_sketch_init_is_seeded_with_per_term_scale_and_default_init_has_dense_scale(dims):
     cls = FAMILY[dims][0]
-    a = cls(4, 16, num_terms=2, low_rank=2, seed=7)
-    b = cls(4, 16, num_terms=2, low_rank=2, seed=7)
+    a = cls(4, 16, 3, num_terms=2, low_rank=2, seed=7)
+    b = cls(4, 16, 3, num_terms=2, low_rank=2, seed=7)
     for name, tensor in a.state_dict().items():
         assert torch.equal(tensor, b.state_dict()[name]), name
     torch.testing.assert_close(a.U.abs(), torch.full_like(a.U, 1 / math.sqrt(2)))
@@ -623,7 +625,7 @@ def test_sketch_init_is_seeded_with_per_term_scale_and_default_init_has_dense_sc
 @pytest.mark.parametrize("dims", [1, 3])
 def test_parameter_counts_state_dict_and_repr(dims):
     cls = FAMILY[dims][0]
-    layer = cls(16, 32, 3, num_terms=1, low_rank=4, padding_mode="reflect")
+    layer = cls(16, 32, 3, padding=1, num_terms=1, low_rank=4, padding_mode="reflect")
     fan_in = 16 * 3**dims
     counts = layer.parameter_counts()
     assert counts == conv_sketch_size(fan_in, 32, 1, 4, True)
@@ -642,7 +644,7 @@ def test_the_family_shares_skconv2d_signature():
     names = list(reference.parameters)
     assert names == [
         "in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups", "bias",
-        "num_terms", "low_rank", "layer", "dtype", "device", "padding_mode", "init", "seed",
+        "padding_mode", "device", "dtype", "num_terms", "low_rank", "layer", "init", "seed",
     ]
 
 
@@ -650,20 +652,20 @@ def test_the_family_shares_skconv2d_signature():
 def test_bad_options_and_inputs_raise_clear_errors(dims):
     cls, dense_cls, _ = FAMILY[dims]
     with pytest.raises(ValueError, match="groups=1"):
-        cls(4, 4, groups=2, num_terms=1, low_rank=1)
+        cls(4, 4, 3, groups=2, num_terms=1, low_rank=1)
     with pytest.raises(ValueError, match="groups=1"):
         getattr(cls, FROM_DENSE[dims])(dense_cls(4, 4, 3, groups=2), 1, 1)
     with pytest.raises(ValueError, match="strided"):
-        cls(4, 4, padding="same", stride=2, num_terms=1, low_rank=1)
+        cls(4, 4, 3, padding="same", stride=2, num_terms=1, low_rank=1)
     with pytest.raises(ValueError, match=f"kernel_size must be a positive int or a tuple of {dims}"):
         cls(4, 4, kernel_size=(3,) * (dims + 1), num_terms=1, low_rank=1)
     with pytest.raises(ValueError, match="padding"):
-        cls(4, 4, padding=(1,) * (dims + 1), num_terms=1, low_rank=1)
+        cls(4, 4, 3, padding=(1,) * (dims + 1), num_terms=1, low_rank=1)
     with pytest.raises(TypeError, match=f"nn.Conv{dims}d"):
         getattr(cls, FROM_DENSE[dims])(nn.Conv2d(3, 3, 3) if dims != 2 else nn.Conv1d(3, 3, 3), 1, 1)
     with pytest.raises(TypeError, match=f"nn.Conv{dims}d"):
         cls(3, 4, 3, num_terms=1, low_rank=2, layer=nn.Linear(3, 4))
-    layer = cls(4, 6, num_terms=1, low_rank=1)
+    layer = cls(4, 6, 3, padding=1, num_terms=1, low_rank=1)
     spatial = (8,) * dims
     for shape in ((2, 5, *spatial), spatial, (1, 1, 4, *spatial)):
         with pytest.raises(ValueError, match=r"C_in=4, got shape"):

@@ -234,7 +234,7 @@ def test_non_integer_seed_is_a_type_error(device):
         with pytest.raises(TypeError, match="seed must be an int"):
             SKLinear(40, 48, 2, 2, seed=bad, device=device)
         with pytest.raises(TypeError, match="seed must be an int"):
-            SKConv2d(4, 8, num_terms=1, low_rank=2, seed=bad, device=device)
+            SKConv2d(4, 8, 3, num_terms=1, low_rank=2, seed=bad, device=device)
 
 
 def test_seeded_sketches_do_not_depend_on_bias_or_call_path():
@@ -453,7 +453,7 @@ def test_mismatched_dtype_and_trainable_sketch_raise_clearly():
 
 
 def test_from_linear_with_gram_runs_one_decomposition(monkeypatch):
-    import panther_lite.nn.sklinear as sklinear_module
+    import panther_lite.nn.linear_factors as sklinear_module
 
     calls = []
     real = sklinear_module.sketch_factors_from_weight

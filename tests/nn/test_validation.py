@@ -99,7 +99,7 @@ def test_gram_checks_shape_values_symmetry_and_definiteness():
 def test_sketch_sizes_beyond_a_tensor_are_named(num_terms, low_rank):
     from panther_lite.nn import SKConv2d, SKLinear
 
-    builds = (lambda: SKLinear(64, 64, num_terms, low_rank), lambda: SKConv2d(4, 4, num_terms=num_terms, low_rank=low_rank))
+    builds = (lambda: SKLinear(64, 64, num_terms, low_rank), lambda: SKConv2d(4, 4, 3, num_terms=num_terms, low_rank=low_rank))
     for build in builds:
         with pytest.raises(ValueError, match="num_terms=.*low_rank=.*more than a tensor can hold"):
             build()
