@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..conversion import ConvertConfig, convert, random_token_batches, save_pretrained
-from ..conversion.config import ALLOCATIONS
+from ..conversion.config import ALLOCATIONS, device_problem
 from ..conversion.fitting.block_refinement import REFINEMENT_COLUMNS
 from ..conversion.kinds import kind_of
 from ..conversion.pipelines.blocks import without_kv_cache
@@ -61,14 +61,9 @@ def _device(text: str) -> str:
         device = torch.device(text)
     except (RuntimeError, ValueError):
         raise argparse.ArgumentTypeError(f"expected a torch device such as cpu, cuda or cuda:1, got {text!r}") from None
-    backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, torch.mps
-    if device.type == "cpu" or not hasattr(backend, "is_available"):
-        return text
-    if not backend.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: {device.type} is not available on this machine")
-    count = backend.device_count() if hasattr(backend, "device_count") else 1
-    if device.index is not None and device.index >= count:
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} {device.type} device(s)")
+    problem = device_problem(device)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
     return text
 
 

@@ -22,7 +22,7 @@ from ..nn.validation import check_choice, check_fraction, check_positive_int
 from ..sketch.random import check_seed
 from .rules import cache_device
 
-__all__ = ["ConvertConfig", "RefineConfig", "SizeRequest", "RankSpec", "ALLOCATIONS", "make_config"]
+__all__ = ["ConvertConfig", "RefineConfig", "SizeRequest", "RankSpec", "ALLOCATIONS", "make_config", "device_problem"]
 
 RankSpec = Union[float, Tuple[int, int]]
 ModuleSelector = Union[str, Sequence[str], None]
@@ -192,7 +192,24 @@ def _device(device) -> Optional[torch.device]:
             "calibration_device='meta' holds no values, so no Gram could be accumulated; "
             "pass None (each layer's own device) or a real device such as 'cpu'"
         )
+    problem = device_problem(device)
+    if problem is not None:
+        raise ValueError(f"calibration_device {str(device)!r}: {problem}")
     return device
+
+
+def device_problem(device: torch.device) -> Optional[str]:
+    """Why this machine cannot use ``device`` (its backend is not available, or it has fewer
+    devices than the index), or None. Backends torch does not describe pass."""
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, torch.mps
+    if device.type == "cpu" or not hasattr(backend, "is_available"):
+        return None
+    if not backend.is_available():
+        return f"{device.type} is not available on this machine"
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        return f"this machine has {count} {device.type} device(s)"
+    return None
 
 
 def _check_blocks(blocks) -> None:

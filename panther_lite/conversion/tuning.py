@@ -16,6 +16,7 @@ import dataclasses
 import math
 import numbers
 import time
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
@@ -26,6 +27,7 @@ import torch.nn as nn
 from .api import convert_undoable
 from .calibration.batches import CalibrationData
 from .config import ConvertConfig, make_config
+from .kinds import frozen_types, sketched_types
 from .planning.allocation import BudgetTooSmall
 from .rules import progress_bar
 from .surgery import stored_numel, undo_swaps
@@ -109,7 +111,23 @@ def _check_tune_arguments(model, evaluate, tolerance, ratio_range, resolution, m
     _check_number("resolution", resolution, 0.0, math.inf, closed_low=False)
     if isinstance(max_evaluations, bool) or not isinstance(max_evaluations, int) or max_evaluations < 1:
         raise ValueError(f"max_evaluations must be an integer >= 1, got {max_evaluations!r}")
+    _warn_if_converted(model)
     return low, high
+
+
+def _warn_if_converted(model: nn.Module) -> None:
+    """tune scores ``model`` as it is for its reference: warn when it already holds sketched or
+    frozen layers (a converted model's score is not the dense original's)."""
+    converted = [name for name, module in model.named_modules() if isinstance(module, sketched_types() + frozen_types())]
+    if converted:
+        shown = ", ".join(converted[:3]) + (", ..." if len(converted) > 3 else "")
+        warnings.warn(
+            f"tune: the model already holds {len(converted)} sketched or frozen layers ({shown}); its score, "
+            "the reference tune keeps within tolerance, is that of this converted model, not of the dense "
+            "original. Tune a copy of the model taken before convert instead.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _trial_config(config: Optional[ConvertConfig], convert_kwargs: dict, high: float) -> ConvertConfig:

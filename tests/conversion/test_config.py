@@ -115,3 +115,14 @@ def test_tune_varies_a_config():
     assert report.attrs["config"] == dataclasses.replace(config, param_ratio=report.attrs["tune_budget"])
     with pytest.raises(ValueError, match=r"tune chooses the budget itself: drop \['low_rank'\]"):
         panther_lite.tune(mlp(), evaluate, tolerance=0.05, config=ConvertConfig(num_terms=1, low_rank=2))
+
+
+def test_a_calibration_device_this_machine_lacks_is_named_before_anything_runs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"calibration_device 'cuda': cuda is not available on this machine"):
+        ConvertConfig(param_ratio=0.5, calibration_device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"calibration_device 'cuda:3': this machine has 1 cuda device"):
+        ConvertConfig(param_ratio=0.5, calibration_device="cuda:3")
+    assert ConvertConfig(param_ratio=0.5, calibration_device="cuda:0").calibration_device == torch.device("cuda:0")

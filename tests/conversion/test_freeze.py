@@ -170,20 +170,31 @@ def test_a_quantizer_that_skipped_sketched_layers_is_reported():
     assert isinstance(requantized[2][1], torch.ao.nn.quantized.dynamic.Linear)
 
 
-def test_save_pretrained_warns_about_sketched_layers_beside_quantized_ones(tmp_path, monkeypatch):
+def test_save_pretrained_warns_about_sketched_layers_beside_quantized_ones(tmp_path):
     pytest.importorskip("safetensors")
     torchao = pytest.importorskip("torchao.quantization")
-    from panther_lite.conversion.saving import pretrained
 
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
     panther_lite.convert(model, target_modules=["2"], num_terms=1, low_rank=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torchao.quantize_(model, torchao.Int8WeightOnlyConfig())
-    # only the check matters here, not whether safetensors can write torchao's tensors
-    monkeypatch.setattr(pretrained, "_write_model_files", lambda *args: None)
     with pytest.warns(UserWarning, match=r"save_pretrained: the model holds quantized modules \(0, 1 in all\)"):
-        panther_lite.save_pretrained(model, tmp_path / "saved")
+        with pytest.raises(ValueError, match=r"entries \['0.weight'\] are not \(quantized modules: 0\)"):
+            panther_lite.save_pretrained(model, tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+
+
+def test_save_pretrained_of_a_quantize_dynamic_model_is_refused_before_writing(tmp_path):
+    pytest.importorskip("safetensors")
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    panther_lite.convert(model, num_terms=1, low_rank=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation note
+        quantized = torch.ao.quantization.quantize_dynamic(freeze(model), {nn.Linear}, dtype=torch.qint8)
+    with pytest.raises(ValueError, match=r"_packed_params.*save the float model before quantizing"):
+        panther_lite.save_pretrained(quantized, tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
 
 
 def test_frozen_model_round_trips_through_save_and_from_pretrained(tmp_path):

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from panther_lite.conversion import convert
 from panther_lite.conversion.tuning import bisect_budget, tune
 from panther_lite.figures import plot_search
 from panther_lite.nn import SKLinear
@@ -69,6 +70,15 @@ def test_tune_converts_at_the_smallest_passing_budget_and_keeps_the_trace():
     )
     assert len(trace) <= 11
     assert report["stored_params"].sum() <= chosen * report["dense_params"].sum()
+
+
+def test_tuning_a_converted_model_warns_that_its_reference_is_not_the_dense_one(recwarn):
+    model, x, reference = model_and_data()
+    tune(model, closeness(x, reference), tolerance=0.0, calibration_data=[x], progress=False, max_evaluations=1)
+    assert not [w for w in recwarn if "already holds" in str(w.message)]  # a dense model: no warning
+    convert(model, param_ratio=0.5, calibration_data=[x], progress=False, target_modules=["0", "2"])
+    with pytest.warns(UserWarning, match=r"already holds 2 sketched or frozen layers \(0, 2\)"):
+        tune(model, closeness(x, reference), tolerance=0.0, calibration_data=[x], progress=False, max_evaluations=1)
 
 
 def test_an_unreachable_tolerance_leaves_the_model_dense():
