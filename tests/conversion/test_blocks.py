@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 import panther_lite  # noqa: E402
 from panther_lite.conversion.calibration.batches import CalibrationData  # noqa: E402
 from panther_lite.conversion.pipelines import ByBlocks, Conversion, by_blocks  # noqa: E402
-from panther_lite.conversion.pipelines.blocks import capture_inputs, find_blocks  # noqa: E402
+from panther_lite.conversion.pipelines.blocks import find_blocks  # noqa: E402
 from panther_lite.conversion.selection import select_layers  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
 
@@ -144,7 +144,6 @@ def test_each_fitted_block_offers_its_calls_targets_and_predictions():
     block_list, _ = find_blocks(model, records, "auto")
     for record in records:
         record.num_terms, record.low_rank = 1, 4
-    calls = capture_inputs(model, block_list, batches, torch.device("cpu"), False)
     seen = []
 
     def after_fit(fitted):
@@ -155,18 +154,21 @@ def test_each_fitted_block_offers_its_calls_targets_and_predictions():
 
     config = panther_lite.ConvertConfig(num_terms=1, low_rank=4, progress=False)
     job = Conversion(model, config, CalibrationData(batches), records)
+    pipeline = ByBlocks(block_list, "", config)
+    assert pipeline.capture(job) is None
     with torch.no_grad():
-        by_blocks.convert_by_blocks(job, block_list, calls, after_fit, ByBlocks(block_list, "", config).materialise)
+        by_blocks.convert_by_blocks(job, block_list, pipeline.captured, after_fit, pipeline.materialise)
     assert seen == list(range(LAYERS))
 
 
 def test_blocks_that_do_not_chain_fall_back_or_are_refused_by_path():
-    """T5's first block computes a position bias it passes to the others: not replayable."""
+    """T5's first block computes a position bias it returns and the model passes to the others:
+    a replay on converted inputs would take it from the dense model."""
     model, batches = _t5(), _batches(1)
     batches[0]["decoder_input_ids"] = batches[0]["input_ids"][:, :4]
     report = panther_lite.convert(copy.deepcopy(model), param_ratio=0.5, calibration_data=batches, progress=False)
-    assert report.attrs["pipeline"].startswith("whole model: block 1 at encoder.block is not called")
-    with pytest.raises(ValueError, match="blocks='decoder.block': block 1 at decoder.block is not called"):
+    assert report.attrs["pipeline"].startswith("whole model: block 1 at encoder.block receives a tensor block 0 returned")
+    with pytest.raises(ValueError, match="blocks='decoder.block': block 1 at decoder.block receives a tensor block 0"):
         panther_lite.convert(model, param_ratio=0.5, calibration_data=batches, progress=False, blocks="decoder.block")
     assert not any(isinstance(module, SKLinear) for module in model.modules())
 
