@@ -5,23 +5,28 @@ each block's own call while checking that the blocks form a chain, else :class:`
 
 A chain, checked on every batch: each block is called once, in order, on the hidden states the
 previous block returned (the first tensor of its output), untouched in between; no block
-changes its inputs in place, nor receives another tensor an earlier block returned (T5's
-position bias: a replay on converted inputs would take it from the dense model); no block has
-forward hooks (a replay would run them again) and no layer to convert is shared between blocks
-or with the rest of the model, nor called across the blocks' boundary. With ``sequential=True``
-no layer to convert may run before the first block (the whole-model fit converts it first, so
-the blocks would see its converted outputs).
+changes its inputs in place; no block has forward hooks (a replay would run them again) and no
+layer to convert is shared between blocks or with the rest of the model, nor called across the
+blocks' boundary. The other arguments are each block's own, so they may differ from block to
+block and batch to batch (sliding-window masks). With ``sequential=True``, where converted
+blocks feed the next, two more rules: no layer to convert runs before the first block (the
+whole-model fit converts it first, so the blocks would see its converted outputs), and no block
+receives, beside its hidden states, a tensor made after the first block was called (T5's
+position bias, returned by its first block: a replay on converted inputs would take it from the
+dense model).
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Dict, List, Optional, Sequence
+from typing import Callable, ContextManager, Dict, List, MutableMapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 from torch.nn.modules import module as module_hooks
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..calibration.batches import evaluation_run, run_batch
@@ -123,7 +128,7 @@ class _Capture:
     def begin(self, batch: int) -> None:
         self.batch, self.calls, self.memo, self.running, self.home = batch, [], {}, None, None
         self.inputs: Dict[int, tuple] = {}  # id -> (tensor, version) of every block input so far
-        self.returned: Dict[int, tuple] = {}  # id -> (block, tensor) of every block output so far
+        self.made: MutableMapping[int, Tensor] = weakref.WeakValueDictionary()  # made since block 0 was called
         self.last: Optional[tuple] = None  # the previous block's hidden states and their version
 
     def fail(self, reason: str) -> None:
@@ -149,12 +154,12 @@ class _Capture:
                 self.fail(f"{self._where(index)} is not called on the hidden states block {index - 1} returned")
             if _version(hidden) != version:
                 self.fail(f"the hidden states block {index - 1} returned are changed in place before {self._where(index)} runs")
-        for leaf in _tensors(with_hidden(call, None)):
-            if id(leaf) in self.returned:
-                self.fail(
-                    f"{self._where(index)} receives a tensor block {self.returned[id(leaf)][0]} returned beside its "
-                    "hidden states, which a replay on converted inputs would take from the dense model"
-                )
+        if any(self.made.get(id(leaf)) is leaf for leaf in _tensors(with_hidden(call, None))):
+            self.fail(
+                f"sequential=True feeds converted blocks to the next, but {self._where(index)} receives a tensor made "
+                "after the first block was called (returned by a block, or computed from one), which a replay on "
+                "converted inputs would take from the dense model"
+            )
         return hidden
 
     def enter(self, index: int, block: nn.Module, args: tuple, kwargs: dict):
@@ -185,8 +190,6 @@ class _Capture:
         if any(_version(leaf) != version for leaf, version in self.inputs.values()):
             self.fail(f"{self._where(index)} changes its inputs (or an earlier block's) in place, which a replay would repeat")
         self.last = (hidden, _version(hidden))
-        for leaf in _tensors(output):
-            self.returned.setdefault(id(leaf), (index, leaf))
         if index == len(self.block_list.blocks) - 1:
             raise _Captured
         return None if self.home is None else output
@@ -204,9 +207,25 @@ class _Capture:
             self.fail(f"layer {name!r}, outside the blocks, is called from {self._where(self.running)}")
         if block is None and self.sequential and not self.calls:
             self.fail(
-                f"sequential=True fits layer {name!r}, which runs before the blocks at {path}, first, so the blocks "
-                "would see its converted outputs"
+                f"sequential=True converts layer {name!r}, which runs before the blocks at {path}, first: the blocks "
+                "would then see its converted outputs, not the captured ones"
             )
+
+
+class _MadeAfterFirstBlock(TorchFunctionMode):
+    """Notes (weakly) every tensor a torch function makes once the first block has been called."""
+
+    def __init__(self, capture: _Capture) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if self.capture.calls:
+            for leaf in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(leaf, Tensor):
+                    self.capture.made[id(leaf)] = leaf
+        return result
 
 
 def _hooks(capture: _Capture, block_list: BlockList, records: Sequence[LayerRecord]) -> list:
@@ -246,7 +265,8 @@ def capture_calls(
     handles = _hooks(capture, block_list, records)
     captured: List[List[BlockCall]] = []
     try:
-        with evaluation_run(model), without_kv_cache(model):
+        noting = _MadeAfterFirstBlock(capture) if sequential else contextlib.nullcontext()
+        with evaluation_run(model), without_kv_cache(model), noting:
             for index, batch in enumerate(progress_bar(batches, "capturing block inputs", "batch", progress)):
                 capture.begin(index)
                 try:
