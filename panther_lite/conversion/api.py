@@ -163,8 +163,8 @@ def densify(model: nn.Module) -> nn.Module:
     frozen = frozen_layers(model)
     if frozen:
         raise ValueError(
-            f"densify: the model holds {len(frozen)} frozen layers ({name_preview(frozen, limit=3)}); freeze is one-way (the sketches are "
-            "folded into standard layers): densify the model before freezing it"
+            f"densify: the model holds {len(frozen)} frozen layers ({name_preview(frozen, limit=3)}); freeze is "
+            "one-way (the sketches are folded into standard layers): densify the model before freezing it"
         )
     if isinstance(model, sketched_types()):
         return _dense_twin(model)

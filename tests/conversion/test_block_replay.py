@@ -260,25 +260,23 @@ def _assert_same_model(model: nn.Module, reference: nn.Module, batches) -> None:
         assert all(torch.equal(model(batch), reference(batch)) for batch in batches)
 
 
-@pytest.mark.parametrize("sequential", [False, True], ids=["calibrated", "sequential"])
+EXACT = {  # model, batches, the block list found, whether sequential runs by blocks too
+    "per-block-masks": (Windowed, _batches(3, 8, 6), "3 blocks at layers", True),  # first batch inside the window
+    "hidden-states-keyword": (ByKeyword, _batches(3, 8), "3 blocks at layers", True),
+    "strided-stages": (StridedStages, _images(), "3 blocks at stages", True),
+    # fed the dense model's inputs and arguments, exact; under sequential they fall back (below)
+    "output-passed-on": (PassesAnOutputOn, _batches(3, 8), "3 blocks at layers", False),
+    "computed-between": (ComputesBetween, _batches(3, 8), "3 blocks at layers", False),
+    "layer-before-the-blocks": (EmbedsFirst, _batches(3, 8), "3 blocks at layers", False),
+}
+
+
 @pytest.mark.parametrize(
-    "build, batches, blocks",
-    [
-        (Windowed, _batches(3, 8, 6), "3 blocks at layers"),  # first batch inside the window
-        (ByKeyword, _batches(3, 8), "3 blocks at layers"),
-        (StridedStages, _images(), "3 blocks at stages"),
-        (PassesAnOutputOn, _batches(3, 8), "3 blocks at layers"),
-        (ComputesBetween, _batches(3, 8), "3 blocks at layers"),
-        (EmbedsFirst, _batches(3, 8), "3 blocks at layers"),
-    ],
-    ids=["per-block-masks", "hidden-states-keyword", "strided-stages", "output-passed-on", "computed-between",
-         "layer-before-the-blocks"],
+    "name, sequential",
+    [(name, sequential) for name, case in EXACT.items() for sequential in (False, True)[: 1 + case[3]]],
 )
-def test_runs_block_by_block_and_gives_the_whole_model_bit_for_bit(build, batches, blocks, sequential):
-    """The last three fall back under ``sequential`` (see the next test), where converted blocks
-    feed the next: without it every block is fed the dense model's inputs and arguments."""
-    if sequential and build in (PassesAnOutputOn, ComputesBetween, EmbedsFirst):
-        pytest.skip("falls back under sequential=True")
+def test_runs_block_by_block_and_gives_the_whole_model_bit_for_bit(name, sequential):
+    build, batches, blocks, _ = EXACT[name]
     report, auto, whole = _convert_both(build(), batches, sequential=sequential)
     assert report.attrs["pipeline"] == f"block pipeline: {blocks}"
     assert (report["status"] == "converted").any()

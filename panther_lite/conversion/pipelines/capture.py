@@ -127,7 +127,8 @@ class _Capture:
 
     def begin(self, batch: int) -> None:
         self.batch, self.calls, self.memo, self.running, self.home = batch, [], {}, None, None
-        self.inputs: Dict[int, tuple] = {}  # id -> (tensor, version) of every block input so far
+        self.inputs: Dict[int, tuple] = {}  # id -> (tensor, version): arguments so far, the first hidden states
+        self.hidden_in: Optional[tuple] = None  # the running block's hidden states and their version
         self.made: MutableMapping[int, Tensor] = weakref.WeakValueDictionary()  # made since block 0 was called
         self.last: Optional[tuple] = None  # the previous block's hidden states and their version
 
@@ -147,13 +148,16 @@ class _Capture:
             self.fail(f"the blocks at {self.block_list.path} are not each called once, in order")
         hidden = hidden_states(call)
         if hidden is None:
-            self.fail(f"{self._where(index)} is called without a hidden-states tensor as its first argument or hidden_states=")
+            self.fail(
+                f"{self._where(index)} is called without a hidden-states tensor as its first argument or hidden_states="
+            )
         if index:
             previous, version = self.last
             if hidden is not previous:
                 self.fail(f"{self._where(index)} is not called on the hidden states block {index - 1} returned")
             if _version(hidden) != version:
-                self.fail(f"the hidden states block {index - 1} returned are changed in place before {self._where(index)} runs")
+                where = self._where(index)
+                self.fail(f"the hidden states block {index - 1} returned are changed in place before {where} runs")
         if any(self.made.get(id(leaf)) is leaf for leaf in _tensors(with_hidden(call, None))):
             self.fail(
                 f"sequential=True feeds converted blocks to the next, but {self._where(index)} receives a tensor made "
@@ -167,9 +171,11 @@ class _Capture:
         move the call onto the block's device when it is elsewhere."""
         call = (args, kwargs)
         hidden = self._check_input(index, call)
-        for leaf in _tensors(call):
+        kept = call if index == 0 else with_hidden(call, None)  # later blocks' hidden states come from a replay
+        for leaf in _tensors(kept):  # checked until the last block returns (a later hidden state: in its block)
             self.inputs.setdefault(id(leaf), (leaf, _version(leaf)))
-        self.calls.append(move_call(call if index == 0 else with_hidden(call, None), self.cache_device, self.memo))
+        self.hidden_in = (hidden, _version(hidden))
+        self.calls.append(move_call(kept, self.cache_device, self.memo))
         self.running = index
         self.opened.enter_context(self.materialise(index, block))
         device = block_device(block)
@@ -187,8 +193,11 @@ class _Capture:
                 f"{self._where(index)} returns a {type(output).__name__}, not hidden states (a tensor, or a tuple or "
                 "list starting with one)"
             )
-        if any(_version(leaf) != version for leaf, version in self.inputs.values()):
-            self.fail(f"{self._where(index)} changes its inputs (or an earlier block's) in place, which a replay would repeat")
+        inputs = [*self.inputs.values(), self.hidden_in]
+        if any(_version(leaf) != version for leaf, version in inputs):
+            where = self._where(index)
+            self.fail(f"{where} changes its inputs (or an earlier block's) in place, which a replay would repeat")
+        self.hidden_in = None
         self.last = (hidden, _version(hidden))
         if index == len(self.block_list.blocks) - 1:
             raise _Captured
