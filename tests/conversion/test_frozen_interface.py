@@ -48,6 +48,7 @@ def test_a_frozen_linear_reads_like_the_dense_one_also_when_quantized(bias):
     panther_lite.convert(model, num_terms=1, low_rank=2)
     freeze(model)
     frozen = model[0]
+    assert isinstance(frozen, FrozenLinear)
     assert (frozen.in_features, frozen.out_features) == (dense.in_features, dense.out_features)
     assert frozen.weight.shape == dense.weight.shape
     assert frozen.bias is frozen[1].bias and (frozen.bias is None) is not bias

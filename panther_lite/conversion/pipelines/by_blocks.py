@@ -41,8 +41,8 @@ from ..rules import progress_bar
 from ..surgery import SwapLog, swap_modules, undo_swaps
 from .base import Conversion
 from .blocks import BlockList, BlockRunner, block_device, block_on, run_block
-from .capture import BlockCalls, BrokenChain, capture_calls, chain_problem
-from .spectra import Materialise, plan_global_by_blocks
+from .capture import BlockCalls, BrokenChain, Materialise, capture_calls, chain_problem
+from .spectra import plan_global_by_blocks
 
 
 def _fit_block(runner, here: List[LayerRecord], original, current, config: ConvertConfig, first_index: int):

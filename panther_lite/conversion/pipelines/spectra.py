@@ -11,7 +11,7 @@ every pooled layer.
 """
 from __future__ import annotations
 
-from typing import Callable, ContextManager, Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch.nn as nn
 
@@ -25,9 +25,8 @@ from ..planning.sizes import PlanNote, rank_multiple_for
 from ..records import LayerRecord
 from ..rules import progress_bar
 from .blocks import BlockList, BlockRunner, run_block
-from .capture import BlockCalls
+from .capture import BlockCalls, Materialise
 
-Materialise = Callable[[int, nn.Module], ContextManager]
 BlockGains = Callable[[List[nn.Module]], List[float]]
 
 
