@@ -20,7 +20,7 @@ from .pipelines.choice import choose_pipeline
 from .planning.sizes import PlanNote
 from .planning.speed import keep_slower_layers_dense
 from .report import build_report
-from .selection import mark_unconvertible, select_layers
+from .selection import frozen_layers, mark_unconvertible, name_preview, select_layers
 from .surgery import SwapLog, restores_buffers_on_error, stored_numel, swap_modules, undo_swaps
 from .verification import check_converted_model_runs
 
@@ -156,9 +156,16 @@ def densify(model: nn.Module) -> nn.Module:
     mode and ``requires_grad``; for an SKLinear converted from transformers' ``Conv1D`` a
     ``Conv1D`` again, ``(in, out)`` weight, or an ``nn.Linear`` when transformers cannot be
     imported). Returns ``model``, or the dense layer itself when ``model`` is a sketched
-    layer (a root cannot be replaced in place)."""
+    layer (a root cannot be replaced in place). A model holding frozen layers
+    (:func:`~panther_lite.freeze`, one-way) is a ValueError, nothing changed."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    frozen = frozen_layers(model)
+    if frozen:
+        raise ValueError(
+            f"densify: the model holds {len(frozen)} frozen layers ({name_preview(frozen, limit=3)}); freeze is "
+            "one-way (the sketches are folded into standard layers): densify the model before freezing it"
+        )
     if isinstance(model, sketched_types()):
         return _dense_twin(model)
     sketched = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, sketched_types())]

@@ -272,8 +272,11 @@ class ConvertConfig:
             ``"auto"`` (or None) finds the repeated block list (the longest ``nn.ModuleList``
             of two or more same-class children holding a layer to convert: ``model.layers``,
             ``transformer.h``, ``encoder.layer``, ...), a dotted path names it, False never.
-            It needs calibration data given as re-iterable batches; otherwise, or without a
-            block list, the whole model is calibrated at once. ``attrs["pipeline"]`` of the
+            It needs calibration data given as re-iterable batches and blocks that a replay
+            reproduces exactly (checked on every batch; the rules:
+            :mod:`~panther_lite.conversion.pipelines.capture`), so that it gives the whole-model
+            result bit for bit; otherwise, or without a block list, the whole model is
+            calibrated at once (a named path is then a ValueError). ``attrs["pipeline"]`` of the
             report says which ran and why (:func:`~panther_lite.conversion.pipelines.choose_pipeline`).
         refine: block-wise refinement (needs the block pipeline): after each block's
             closed-form fits, Adam on the factors and biases of the layers this call fitted in

@@ -12,7 +12,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from .adapters import adapter_skip_reason
 from .config import ModuleFilter, ModuleSelector
-from .kinds import kind_of, registered_kinds, sketched_types
+from .kinds import frozen_types, kind_of, registered_kinds, sketched_types
 from .records import SKIPPED, LayerRecord
 
 
@@ -50,12 +50,19 @@ def _is_target(record: LayerRecord, target_modules: ModuleSelector) -> bool:
     return matches(target_modules, record.name)
 
 
+def frozen_layers(model: nn.Module) -> List[str]:
+    """The dotted names of the frozen pairs in ``model`` (:func:`~panther_lite.freeze`)."""
+    return [fqn for fqn, module in model.named_modules() if isinstance(module, frozen_types())]
+
+
 def candidates(model: nn.Module) -> List[LayerRecord]:
-    """Every module of ``model`` convert knows how to replace, in model order."""
+    """Every module of ``model`` convert knows how to replace, in model order; the two layers of
+    a frozen pair are none (they stand for one sketched layer, already converted)."""
+    frozen = tuple(f"{fqn}." if fqn else "" for fqn in frozen_layers(model))
     found = []
     for fqn, module in model.named_modules():
         kind = kind_of(module)
-        if kind is not None:
+        if kind is not None and not (frozen and fqn.startswith(frozen)):
             found.append(LayerRecord(fqn, module, kind))
     return found
 
@@ -70,11 +77,12 @@ def _check_every_entry_matches(model: nn.Module, name: str, spec: ModuleSelector
         raise ValueError(
             f"{name} entries {unmatched} matched no {_kind_names()} module "
             f"(a list entry matches a dotted name equal to it or ending in '.' + entry); "
-            f"the model's candidates are: {_preview(names)}{_already_sketched_note(model)}"
+            f"the model's candidates are: {name_preview(names)}{_already_sketched_note(model)}"
         )
 
 
-def _preview(names: List[str], limit: int = 10) -> str:
+def name_preview(names: List[str], limit: int = 10) -> str:
+    """``names`` quoted and comma-separated, at most ``limit`` of them (then how many more)."""
     shown = ", ".join(repr(name) for name in names[:limit]) or "none"
     return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
 
@@ -103,20 +111,28 @@ def select_layers(
         raise ValueError(
             f"no {_kind_names()} module matched target_modules={target_modules!r}, "
             f"exclude_modules={exclude_modules!r}, filter_fn={getattr(filter_fn, '__name__', filter_fn)!r}; "
-            f"the model's candidates are: {_preview(names)}{_already_sketched_note(model)}"
+            f"the model's candidates are: {name_preview(names)}{_already_sketched_note(model)}"
         )
     return selected
 
 
 def _already_sketched_note(model: nn.Module) -> str:
-    """What to do when the model was converted before (its sketched layers are no candidates)."""
+    """What to do when the model was converted (and frozen) before: its sketched layers and
+    frozen pairs are no candidates."""
     sketched = [fqn for fqn, module in model.named_modules() if isinstance(module, sketched_types())]
-    if not sketched:
-        return ""
-    return (
-        f"; the model already holds {len(sketched)} sketched layers ({_preview(sketched, limit=3)}), which "
-        "convert does not convert again: to convert at other sizes, panther_lite.densify(model) first"
-    )
+    frozen = frozen_layers(model)
+    note = ""
+    if sketched:
+        note += (
+            f"; the model already holds {len(sketched)} sketched layers ({name_preview(sketched, limit=3)}), which "
+            "convert does not convert again: to convert at other sizes, panther_lite.densify(model) first"
+        )
+    if frozen:
+        note += (
+            f"; the model holds {len(frozen)} frozen layers ({name_preview(frozen, limit=3)}), which convert does not "
+            "convert again (freeze is one-way: convert the model before freezing it)"
+        )
+    return note
 
 
 ParameterOwners = Dict[int, List[Tuple[str, nn.Module]]]

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 import panther_lite  # noqa: E402
 from panther_lite.conversion.calibration.batches import CalibrationData  # noqa: E402
 from panther_lite.conversion.pipelines import ByBlocks, Conversion, by_blocks  # noqa: E402
-from panther_lite.conversion.pipelines.blocks import capture_inputs, find_blocks  # noqa: E402
+from panther_lite.conversion.pipelines.blocks import find_blocks  # noqa: E402
 from panther_lite.conversion.selection import select_layers  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
 
@@ -91,7 +91,7 @@ def test_a_model_without_a_block_list_falls_back_and_says_so():
 @pytest.mark.parametrize("sequential", [False, True], ids=["calibrated", "sequential"])
 def test_block_pipeline_gives_the_whole_model_fits(sequential):
     """Block inputs are the tensors a whole-model forward feeds the blocks, so the fits (and
-    the converted model's logits) are the same, lm_head included."""
+    the converted model's logits) are the same bit for bit, lm_head included."""
     dense, batches = _llama(), _batches()
     by_blocks, whole = copy.deepcopy(dense), copy.deepcopy(dense)
     options = dict(param_ratio=0.5, calibration_data=batches, progress=False, sequential=sequential)
@@ -101,9 +101,10 @@ def test_block_pipeline_gives_the_whole_model_fits(sequential):
     assert reference.attrs["pipeline"] == "whole model: blocks=False"
     assert report["low_rank"].equals(reference["low_rank"])
     assert report["output_error"].tolist() == pytest.approx(reference["output_error"].tolist(), rel=1e-9, nan_ok=True)
-    ids = batches[0]["input_ids"]
+    got, want = by_blocks.state_dict(), whole.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     with torch.no_grad():
-        torch.testing.assert_close(by_blocks(ids).logits, whole(ids).logits, rtol=1e-9, atol=1e-12)
+        assert all(torch.equal(by_blocks(**batch).logits, whole(**batch).logits) for batch in batches)
 
 
 def test_global_sequential_runs_with_finite_errors_and_keeps_the_cache_setting():
@@ -144,7 +145,6 @@ def test_each_fitted_block_offers_its_calls_targets_and_predictions():
     block_list, _ = find_blocks(model, records, "auto")
     for record in records:
         record.num_terms, record.low_rank = 1, 4
-    calls = capture_inputs(model, block_list, batches, torch.device("cpu"), False)
     seen = []
 
     def after_fit(fitted):
@@ -155,19 +155,34 @@ def test_each_fitted_block_offers_its_calls_targets_and_predictions():
 
     config = panther_lite.ConvertConfig(num_terms=1, low_rank=4, progress=False)
     job = Conversion(model, config, CalibrationData(batches), records)
+    pipeline = ByBlocks(block_list, "", config)
+    assert pipeline.capture(job) is None
     with torch.no_grad():
-        by_blocks.convert_by_blocks(job, block_list, calls, after_fit, ByBlocks(block_list, "", config).materialise)
+        by_blocks.convert_by_blocks(job, block_list, pipeline.captured, after_fit, pipeline.materialise)
     assert seen == list(range(LAYERS))
 
 
-def test_blocks_that_do_not_chain_fall_back_or_are_refused_by_path():
-    """T5's first block computes a position bias it passes to the others: not replayable."""
-    model, batches = _t5(), _batches(1)
-    batches[0]["decoder_input_ids"] = batches[0]["input_ids"][:, :4]
-    report = panther_lite.convert(copy.deepcopy(model), param_ratio=0.5, calibration_data=batches, progress=False)
-    assert report.attrs["pipeline"].startswith("whole model: block 1 at encoder.block is not called")
-    with pytest.raises(ValueError, match="blocks='decoder.block': block 1 at decoder.block is not called"):
-        panther_lite.convert(model, param_ratio=0.5, calibration_data=batches, progress=False, blocks="decoder.block")
+def test_t5_runs_by_blocks_exactly_but_falls_back_or_is_refused_when_sequential():
+    """T5's first block computes a position bias it returns and the model passes to the others:
+    exact when every block is fed the dense model's inputs; under ``sequential`` a replay on
+    converted inputs would take it from the dense model."""
+    model, batches = _t5(), _batches(2)
+    for batch in batches:
+        batch["decoder_input_ids"] = batch["input_ids"][:, :4]
+    options = dict(param_ratio=0.5, calibration_data=batches, progress=False)
+    auto, whole = copy.deepcopy(model), copy.deepcopy(model)
+    report = panther_lite.convert(auto, **options)
+    panther_lite.convert(whole, blocks=False, **options)
+    assert report.attrs["pipeline"] == f"block pipeline: {LAYERS} blocks at encoder.block"
+    got, want = auto.state_dict(), whole.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    report = panther_lite.convert(copy.deepcopy(model), sequential=True, **options)
+    assert report.attrs["pipeline"].startswith(
+        "whole model: sequential=True feeds converted blocks to the next, but block 1 at encoder.block receives a "
+        "tensor made after the first block was called"
+    )
+    with pytest.raises(ValueError, match="blocks='decoder.block': sequential=True .* block 1 at decoder.block receives"):
+        panther_lite.convert(model, blocks="decoder.block", target_modules=r"decoder\..*", sequential=True, **options)
     assert not any(isinstance(module, SKLinear) for module in model.modules())
 
 

@@ -20,10 +20,10 @@ from panther_lite.conversion.selection import mark_unconvertible, select_layers
 class Block(nn.Module):
     def __init__(self, width: int = 16) -> None:
         super().__init__()
-        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.up, self.down, self.act = nn.Linear(width, 2 * width), nn.Linear(2 * width, width), nn.ReLU()
 
     def forward(self, hidden):
-        return hidden + self.down(torch.relu(self.up(hidden)))
+        return hidden + self.down(self.act(self.up(hidden)))
 
 
 class Stack(nn.Module):
@@ -98,11 +98,16 @@ def test_each_block_runs_alone_only_inside_materialise_and_the_model_is_the_defa
     job = _job(model, data, **options)
     default = choose_pipeline(job)
     pipeline = HookedBlocks(default.block_list, default.description, job.config)
-    forwards = []
+    forwards = []  # (block, block materialised) of each block forward, seen by its activation (never swapped)
     handles = [
-        block.register_forward_pre_hook(lambda module, args, index=index: forwards.append((index, pipeline.inside)))
+        block.act.register_forward_pre_hook(lambda module, args, index=index: forwards.append((index, pipeline.inside)))
         for index, block in enumerate(model.layers)
     ]
+    assert pipeline.capture(job) is None  # every batch through the whole model, each block inside its materialise
+    assert pipeline.events == [("in", i) for i in range(3)] * len(data)
+    assert forwards == [(i, i) for i in range(3)] * len(data)
+    pipeline.events.clear()
+    forwards.clear()
     notes = pipeline.plan(job)
     passes = 2 if options.get("allocation") == "global" else 1
     assert pipeline.gains_asked == passes - 1

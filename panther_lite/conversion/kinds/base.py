@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-__all__ = ["LayerKind", "layer_input", "balanced_pair"]
+__all__ = ["LayerKind", "layer_input", "balanced_pair", "pair_bias"]
 
 
 def layer_input(args: tuple, kwargs: dict) -> Tensor:
@@ -37,6 +37,13 @@ def balanced_pair(first: Tensor, second: Tensor) -> Tuple[Tensor, Tensor]:
     scale = torch.where(usable, (second_norms / first_norms.where(usable, 1)).sqrt(), 1).to(first.dtype)
     first = first * scale.view(-1, *(1,) * (first.dim() - 1))
     return first, second / scale.view(1, -1, *(1,) * (second.dim() - 2))
+
+
+def pair_bias(pair: nn.Module) -> Optional[Tensor]:
+    """The bias of a frozen pair (its second layer's; through a quantizer's ``bias()`` method when
+    one replaced that layer), so code reading a dense layer's ``bias`` reads the pair's."""
+    bias = pair[1].bias
+    return bias() if callable(bias) else bias
 
 
 class LayerKind:

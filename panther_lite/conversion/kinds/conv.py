@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...nn import SKConv1d, SKConv2d, SKConv3d
-from .base import LayerKind, balanced_pair
+from .base import LayerKind, balanced_pair, pair_bias
 
 __all__ = ["FrozenConv1d", "FrozenConv2d", "FrozenConv3d", "ConvKind", "CONV1D", "CONV2D", "CONV3D", "conv_patches"]
 
@@ -21,13 +21,24 @@ __all__ = ["FrozenConv1d", "FrozenConv2d", "FrozenConv3d", "ConvKind", "CONV1D",
 _MAX_PATCH_ENTRIES = 1 << 24
 
 
+def _first_conv(name: str) -> property:
+    return property(lambda self: getattr(self[0], name), doc=f"The dense convolution's ``{name}`` (the first layer's).")
+
+
 class _FrozenConvNd(nn.Sequential):
     """A frozen sketched convolution: the layer's convolution to ``2Lk`` channels, then a
     1×…×1 convolution to ``out_channels`` with the bias. ``options`` are the dense
     convolution's constructor options (``in_channels``, ``out_channels``, ``kernel_size``,
     ``stride``, ``padding``, ``dilation``, ``bias``, ``padding_mode``); the attributes
     ``in_channels``, ``out_channels``, ``kernel_size``, ``has_bias``, ``num_terms`` and
-    ``low_rank`` record what it was frozen from."""
+    ``low_rank`` record what it was frozen from. Like ``nn.ConvNd`` it also has ``stride``,
+    ``padding``, ``dilation``, ``groups``, ``padding_mode``, ``transposed``, ``output_padding``
+    (read-only, the first layer's), ``weight`` (the effective kernel) and ``bias``."""
+
+    stride, padding, dilation = _first_conv("stride"), _first_conv("padding"), _first_conv("dilation")
+    groups, padding_mode = _first_conv("groups"), _first_conv("padding_mode")
+    transposed, output_padding = _first_conv("transposed"), _first_conv("output_padding")
+    bias = property(pair_bias, doc="The bias ``(out_channels,)`` (the second layer's), or None.")
 
     _conv_class: type = nn.Module
     dense: str = ""

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ...nn import SKLinear
 from ...nn.factor_cache import concatenate_factors
-from .base import LayerKind, balanced_pair
+from .base import LayerKind, balanced_pair, pair_bias
 
 __all__ = ["FrozenLinear", "LinearKind", "LINEAR", "cluster_size"]
 
@@ -29,7 +29,8 @@ class FrozenLinear(nn.Sequential):
     ``num_terms``, ``low_rank``, ``has_bias`` and ``dense`` (the layer kind it was frozen
     from: ``"Linear"``, ``"Conv1D"`` for a GPT-2 layer, ...) record what it was frozen from,
     for :func:`~panther_lite.conversion_config` (they stay readable after a quantizer replaced
-    the two layers).
+    the two layers). Like ``nn.Linear`` it has ``in_features``, ``out_features``, ``weight``
+    (the effective weight, read-only) and ``bias`` (the second layer's, or None).
 
     Shape: input ``(*, in_features)``, output ``(*, out_features)``.
     """
@@ -54,6 +55,8 @@ class FrozenLinear(nn.Sequential):
         T5's dtype checks). Only while both layers hold float weights (not after a quantizer
         replaced them)."""
         return self[1].weight @ self[0].weight
+
+    bias = property(pair_bias, doc="The bias ``(out_features,)`` (the second layer's), or None.")
 
     def extra_repr(self) -> str:
         return f"num_terms={self.num_terms}, low_rank={self.low_rank}"

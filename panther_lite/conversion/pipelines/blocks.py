@@ -1,12 +1,12 @@
 """Repeated blocks of a model, the by-blocks pipeline's steps: find its block list (a
 transformers model's ``model.layers``, ``transformer.h``, ``encoder.layer``, ``encoder.block``,
-...), capture the first block's inputs for every calibration batch, and run one block on
-cached inputs.
+a CNN's ``stages``, ...) and run one block alone on cached calls.
 
-A cached *call* is ``(args, kwargs)``, what the model passed to the first block for one batch
-(hidden states, attention mask, position embeddings, ...), held on the cache device. The
-blocks are assumed to run one after the other, each fed the previous one's hidden states (the
-first tensor it returns) with the other arguments unchanged; key/value caches are dropped.
+A cached *call* is ``(args, kwargs)``, what the model passed to a block for one batch (hidden
+states, attention mask, position embeddings, ...), held on the cache device, key/value caches
+dropped (:mod:`~panther_lite.conversion.pipelines.capture` records each block's own). A block
+takes its hidden states as its first positional argument (or ``hidden_states=``) and returns
+them first (a tensor, or a tuple or list starting with one).
 """
 from __future__ import annotations
 
@@ -17,12 +17,11 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from ..calibration.batches import evaluation_run, run_batch
 from ..kinds import kind_of
 from ..records import LayerRecord
-from ..rules import progress_bar
 
 BlockCall = Tuple[tuple, dict]
 BlocksOption = Union[None, bool, str]
@@ -110,40 +109,44 @@ def _is_cache(value) -> bool:
     return any(cls.__name__ == "Cache" for cls in type(value).__mro__)
 
 
-def move_call(call: BlockCall, device: Optional[torch.device]) -> BlockCall:
+def move_call(call: BlockCall, device: Optional[torch.device], memo: Optional[dict] = None) -> BlockCall:
     """``call`` with its tensors detached and on ``device`` (None: where they are) and any
-    key/value cache replaced by None (a block run twice must not append to it)."""
+    key/value cache replaced by None (a block run twice must not append to it). ``memo``
+    (``id -> (tensor, moved)``) moves a tensor several calls share only once."""
+    memo = {} if memo is None else memo
 
     def move(value):
-        if isinstance(value, Tensor):
-            value = value.detach()
-            return value if device is None else value.to(device)
-        return None if _is_cache(value) else value
+        if not isinstance(value, Tensor):
+            return None if _is_cache(value) else value
+        if id(value) not in memo:
+            moved = value.detach()
+            memo[id(value)] = (value, moved if device is None else moved.to(device))
+        return memo[id(value)][1]
 
     return tree_map(move, call)
 
 
-def hidden_states(call: BlockCall) -> Tensor:
-    """The hidden states of a block call: its first positional argument or ``hidden_states=``."""
+def hidden_states(call: BlockCall) -> Optional[Tensor]:
+    """The hidden states of a block call: its first positional argument, or ``hidden_states=``
+    when it has none (None when that is not a tensor)."""
     args, kwargs = call
     hidden = args[0] if args else kwargs.get("hidden_states")
-    if not isinstance(hidden, Tensor):
-        raise ValueError(
-            "block pipeline: the first block was called without a hidden-states tensor as its first argument "
-            "or hidden_states=; pass blocks=False"
-        )
-    return hidden
+    return hidden if isinstance(hidden, Tensor) else None
 
 
-def _with_hidden(call: BlockCall, hidden: Tensor) -> BlockCall:
+def with_hidden(call: BlockCall, hidden: Optional[Tensor]) -> BlockCall:
+    """``call`` with ``hidden`` in place of its hidden states."""
     args, kwargs = call
     if args:
         return (hidden, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": hidden}
 
 
-class _Captured(Exception):
-    """Raised by the first block's pre-hook: the rest of the forward is not needed."""
+def output_hidden(output) -> Optional[Tensor]:
+    """The hidden states a block returns: the output itself, or the first item of a tuple/list."""
+    if isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    return output if isinstance(output, Tensor) else None
 
 
 @contextlib.contextmanager
@@ -158,90 +161,6 @@ def without_kv_cache(model: nn.Module) -> Iterator[None]:
     finally:
         if flag is not None:
             config.use_cache = flag
-
-
-def _other_arguments(call: BlockCall) -> list:
-    """The leaves of a call's arguments other than its hidden states (caches dropped)."""
-    args, kwargs = move_call(call, None)
-    rest = (args[1:], kwargs) if args else ((), {k: v for k, v in kwargs.items() if k != "hidden_states"})
-    return tree_flatten(rest)[0]
-
-
-def _same_leaves(first: list, other: list) -> bool:
-    if len(first) != len(other):
-        return False
-    for a, b in zip(first, other):
-        if isinstance(a, Tensor) or isinstance(b, Tensor):
-            if not (isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a, b)):
-                return False
-        elif a is not b and a != b:
-            return False
-    return True
-
-
-def chain_problem(model: nn.Module, block_list: BlockList, batch) -> Optional[str]:
-    """Run ``batch`` through the model once and say why the blocks do not form a chain (each
-    called once, in order, on the previous block's hidden states and the first block's other
-    arguments, as the pipeline replays them), or None when they do. T5's blocks, for one,
-    pass a position bias computed by the first block to the others."""
-    calls: List[Tuple[int, BlockCall]] = []
-    outputs: dict = {}
-
-    def pre_hook(index):
-        return lambda module, args, kwargs: calls.append((index, (args, kwargs)))
-
-    def post_hook(index):
-        return lambda module, args, kwargs, output: outputs.__setitem__(index, output)
-
-    handles = [block.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, block in enumerate(block_list.blocks)]
-    handles += [block.register_forward_hook(post_hook(i), with_kwargs=True) for i, block in enumerate(block_list.blocks)]
-    try:
-        with evaluation_run(model), without_kv_cache(model):
-            run_batch(model, batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-    if [index for index, _ in calls] != list(range(len(block_list.blocks))):
-        return f"the blocks at {block_list.path} are not each called once, in order"
-    first = _other_arguments(calls[0][1])
-    for index, call in calls[1:]:
-        previous = outputs[index - 1]
-        previous = previous if isinstance(previous, Tensor) else previous[0]
-        if hidden_states(call) is not previous or not _same_leaves(first, _other_arguments(call)):
-            return (
-                f"block {index} at {block_list.path} is not called on the previous block's hidden states with the "
-                "first block's other arguments"
-            )
-    return None
-
-
-def capture_inputs(model: nn.Module, block_list: BlockList, batches, cache_device, progress) -> List[BlockCall]:
-    """One cached call of the first block per calibration batch (each forward stops there);
-    ValueError when a batch never reaches the first block."""
-    calls: List[BlockCall] = []
-
-    def pre_hook(module, args, kwargs):
-        call = move_call((args, kwargs), cache_device)
-        hidden_states(call)
-        calls.append(call)
-        raise _Captured
-
-    handle = block_list.blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
-    try:
-        with evaluation_run(model), without_kv_cache(model):
-            for index, batch in enumerate(progress_bar(batches, "capturing block inputs", "batch", progress)):
-                try:
-                    run_batch(model, batch)
-                except _Captured:
-                    pass
-                if len(calls) != index + 1:
-                    raise ValueError(
-                        f"block pipeline: calibration batch {index} never reached the first block "
-                        f"{block_list.prefix(0)[:-1]!r}; pass blocks=False"
-                    )
-    finally:
-        handle.remove()
-    return calls
 
 
 def block_device(block: nn.Module) -> Optional[torch.device]:
@@ -283,24 +202,14 @@ class BlockRunner(nn.Module):
         return self._running_block(*args, **kwargs)
 
 
-def _output_hidden(output, expected: Tensor, where: str) -> Tensor:
-    hidden = output if isinstance(output, Tensor) else output[0] if isinstance(output, (tuple, list)) else None
-    if not isinstance(hidden, Tensor) or hidden.shape != expected.shape:
-        got = type(output).__name__ if hidden is None else f"shape {tuple(hidden.shape)}"
-        raise ValueError(
-            f"block pipeline: block {where!r} returned {got}, expected hidden states of shape "
-            f"{tuple(expected.shape)} to feed the next block; pass blocks=False"
-        )
-    return hidden
-
-
-def run_block(runner: BlockRunner, calls: List[BlockCall], cache_device, where: str) -> List[BlockCall]:
-    """The next block's calls: ``runner``'s block run (eval, no_grad) on each cached call, its
-    hidden states replaced by the block's output (on ``cache_device``, None: the input's)."""
-    next_calls = []
+def run_block(runner: BlockRunner, calls: List[BlockCall], cache_device, where: str) -> List[Tensor]:
+    """``runner``'s block run (eval, no_grad) on each cached call: the hidden states it returns
+    for each (on ``cache_device``; None: the input's device), what feeds the next block."""
+    outputs = []
     with evaluation_run(runner):
         for call in calls:
-            hidden = hidden_states(call)
-            output = _output_hidden(run_batch(runner, call), hidden, where)
-            next_calls.append(_with_hidden(call, output.to(hidden.device if cache_device is None else cache_device)))
-    return next_calls
+            output = output_hidden(run_batch(runner, call))
+            if output is None:
+                raise ValueError(f"block pipeline: block {where!r} returned no hidden states to feed the next block")
+            outputs.append(output.to(hidden_states(call).device if cache_device is None else cache_device))
+    return outputs

@@ -2,9 +2,10 @@
 on cached block inputs, so time grows linearly with depth and memory holds one block's
 statistics (plus the cached hidden states).
 
-The first block's inputs are captured once for every calibration batch
-(:func:`~panther_lite.conversion.pipelines.blocks.capture_inputs`). Then per block: its selected
-layers' Grams are recorded by running the block alone on the cached calls (the same tensors a
+Each block's own calls are captured once, in one run of every calibration batch that also
+checks that a replay is exact (:meth:`ByBlocks.capture`,
+:func:`~panther_lite.conversion.pipelines.capture.capture_calls`). Then per block: its selected
+layers' Grams are recorded by running the block alone on its cached calls (the same tensors a
 whole-model forward feeds it, so a non-sequential fit is the same as on the whole model), the
 layers are fitted and swapped in, and the block is run once on the calls to produce the next
 block's inputs: the original block (before the swap), so every Gram comes from the dense model's
@@ -39,8 +40,9 @@ from ..records import LayerRecord
 from ..rules import progress_bar
 from ..surgery import SwapLog, swap_modules, undo_swaps
 from .base import Conversion
-from .blocks import BlockCall, BlockList, BlockRunner, block_device, block_on, capture_inputs, hidden_states, run_block
-from .spectra import Materialise, plan_global_by_blocks
+from .blocks import BlockList, BlockRunner, block_device, block_on, run_block
+from .capture import BlockCalls, BrokenChain, Materialise, capture_calls, chain_problem
+from .spectra import plan_global_by_blocks
 
 
 def _fit_block(runner, here: List[LayerRecord], original, current, config: ConvertConfig, first_index: int):
@@ -65,37 +67,38 @@ def _swap_sending_home(model: nn.Module, block_fits: Dict[str, FitResult], home:
 
 
 def _convert_blocks(
-    model: nn.Module, todo: List[LayerRecord], block_list: BlockList, calls, config: ConvertConfig, log: SwapLog,
-    after_fit: Optional[AfterFit], materialise: Materialise,
+    model: nn.Module, todo: List[LayerRecord], block_list: BlockList, captured: BlockCalls, config: ConvertConfig,
+    log: SwapLog, after_fit: Optional[AfterFit], materialise: Materialise,
 ) -> Dict[str, FitResult]:
     """Fit and swap the blocks' layers block by block (swaps appended to ``log``)."""
     last = max((i for i in range(len(block_list.blocks)) if block_list.records_in(i, todo)), default=-1)
     cache, device, fits = config.cache_device, config.calibration_device, {}
-    original = current = calls
+    original = current = captured.first()  # each stream's hidden states, one tensor per batch
     for index, block in enumerate(progress_bar(block_list.blocks[: last + 1], "converting", "block", config.progress)):
         here, where, home = block_list.records_in(index, todo), block_list.prefix(index)[:-1], block_device(block)
         with materialise(index, block):
             runner = BlockRunner(model, block, device)
             first_index = todo.index(here[0]) if here else 0
-            block_fits = _fit_block(runner, here, original, current, config, first_index)
-            targets = run_block(runner, original, cache, where) if index < last or after_fit is not None else None
+            original_calls = captured.feed(index, original)
+            current_calls = captured.feed(index, current) if config.sequential else original_calls
+            block_fits = _fit_block(runner, here, original_calls, current_calls, config, first_index)
+            targets = run_block(runner, original_calls, cache, where) if index < last or after_fit is not None else None
             log += _swap_sending_home(model, block_fits, home)
             fits.update(block_fits)
             if after_fit is not None:
-                outputs = [hidden_states(call) for call in targets]
-                after_fit(FittedBlock(index, where, block, runner, here, block_fits, current, outputs))
+                after_fit(FittedBlock(index, where, block, runner, here, block_fits, current_calls, targets))
             if index < last:
-                current = run_block(runner, current, cache, where) if config.sequential else targets
+                current = run_block(runner, current_calls, cache, where) if config.sequential else targets
                 original = targets
     return fits
 
 
 def convert_by_blocks(
-    job: Conversion, block_list: BlockList, calls: List[BlockCall], after_fit: Optional[AfterFit],
+    job: Conversion, block_list: BlockList, captured: BlockCalls, after_fit: Optional[AfterFit],
     materialise: Materialise,
 ) -> Tuple[Dict[str, FitResult], SwapLog]:
-    """Fit and swap ``job.todo`` (sizes planned): the blocks' layers block by block on ``calls``
-    (the first block's cached inputs), each inside ``materialise(index, block)``, then the
+    """Fit and swap ``job.todo`` (sizes planned): the blocks' layers block by block on the
+    ``captured`` calls, each inside ``materialise(index, block)``, then the
     layers outside the blocks on the whole model.
     Without ``sequential``, every Gram is recorded on the dense model's activations (the
     original block feeds the next), as when the whole model is calibrated at once.
@@ -107,7 +110,7 @@ def convert_by_blocks(
     if outside and not config.sequential:  # on the dense model, like the blocks' Grams
         calibration = collect_grams(model, outside, job.data, False, config.calibration_device)
     try:
-        fits = _convert_blocks(model, todo, block_list, calls, config, log, after_fit, materialise)
+        fits = _convert_blocks(model, todo, block_list, captured, config, log, after_fit, materialise)
         if outside:
             # sequential: the original runs are the dense model's, so the blocks are swapped out
             undo_swaps(log)
@@ -137,8 +140,27 @@ class ByBlocks:
         self.block_list, self.description = block_list, description
         self.device = config.calibration_device
         self.refiner = None if config.refine is None else BlockRefiner(config.refine)
-        self.calls: List[BlockCall] = []
+        self.captured: Optional[BlockCalls] = None
         self.job: Optional[Conversion] = None
+
+    def capture(self, job: Conversion) -> Optional[str]:
+        """Capture every block's calls on ``job``'s calibration batches (each block run inside
+        :meth:`materialise`); the reason a replay would not give the whole-model result, or None
+        (:func:`~panther_lite.conversion.pipelines.capture.chain_problem`,
+        :func:`~panther_lite.conversion.pipelines.capture.capture_calls`). Called by
+        :func:`~panther_lite.conversion.pipelines.choose_pipeline` before :meth:`plan`."""
+        config = job.config
+        problem = chain_problem(job.model, self.block_list, job.records)
+        if problem is not None:
+            return problem
+        try:
+            self.captured = capture_calls(
+                job.model, self.block_list, job.records, job.data.source, sequential=config.sequential,
+                cache_device=config.cache_device, materialise=self.materialise, progress=config.progress,
+            )
+        except BrokenChain as broken:
+            return str(broken)
+        return None
 
     def materialise(self, index: int, block: nn.Module) -> ContextManager:
         """The hook around every step that runs block ``index`` alone: the block ready to run
@@ -152,18 +174,17 @@ class ByBlocks:
         return block_output_gains(self.job.model, blocks, lambda module: run_batch(module, first))
 
     def plan(self, job: Conversion) -> Dict[str, PlanNote]:
-        """Capture the first block's inputs, size the layers (a global plan from one spectra pass)."""
+        """Size the layers (a global plan from one spectra pass over the captured calls)."""
         config, self.job = job.config, job
-        self.calls = capture_inputs(job.model, self.block_list, job.data.source, config.cache_device, config.progress)
         notes, pooled = plan_uniform(job.records, config)
         if pooled:
             notes.update(plan_global_by_blocks(
-                job.model, pooled, self.block_list, self.calls, config, job.data, self.materialise, self.block_gains
+                job.model, pooled, self.block_list, self.captured, config, job.data, self.materialise, self.block_gains
             ))
         return notes
 
     def fit(self, job: Conversion) -> Tuple[Dict[str, FitResult], SwapLog]:
-        return convert_by_blocks(job, self.block_list, self.calls, self.refiner, self.materialise)
+        return convert_by_blocks(job, self.block_list, self.captured, self.refiner, self.materialise)
 
     def replay(self, job: Conversion) -> Optional[ModelRun]:
         return job.data.replay()

@@ -11,7 +11,7 @@ every pooled layer.
 """
 from __future__ import annotations
 
-from typing import Callable, ContextManager, Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch.nn as nn
 
@@ -24,9 +24,9 @@ from ..planning.sensitivity import output_gains
 from ..planning.sizes import PlanNote, rank_multiple_for
 from ..records import LayerRecord
 from ..rules import progress_bar
-from .blocks import BlockCall, BlockList, BlockRunner, run_block
+from .blocks import BlockList, BlockRunner, run_block
+from .capture import BlockCalls, Materialise
 
-Materialise = Callable[[int, nn.Module], ContextManager]
 BlockGains = Callable[[List[nn.Module]], List[float]]
 
 
@@ -43,7 +43,7 @@ def _spectra(model: nn.Module, pooled: List[LayerRecord], data: CalibrationData,
 
 
 def spectra_pass(
-    model: nn.Module, pooled: List[LayerRecord], block_list: BlockList, calls: List[BlockCall],
+    model: nn.Module, pooled: List[LayerRecord], block_list: BlockList, captured: BlockCalls,
     config: ConvertConfig, data: CalibrationData, materialise: Materialise, block_gains: BlockGains,
 ) -> Tuple[Dict[str, object], Dict[str, float]]:
     """``(energies, gains)`` of every pooled layer (see the module docstring); each block is
@@ -55,8 +55,9 @@ def spectra_pass(
     energies, gains = _spectra(model, outside, data, device) if outside else ({}, {})
     gains_to_output = block_gains(block_list.blocks[: last + 1])
     blocks = progress_bar(block_list.blocks[: last + 1], "measuring spectra", "block", config.progress)
+    hidden = captured.first()
     for index, block in enumerate(blocks):
-        here = block_list.records_in(index, pooled)
+        here, calls = block_list.records_in(index, pooled), captured.feed(index, hidden)
         with materialise(index, block):
             runner = BlockRunner(model, block, device)
             if here:
@@ -64,16 +65,16 @@ def spectra_pass(
                 energies.update(block_energies)
                 gains.update({name: gain * gains_to_output[index] for name, gain in within.items()})
             if index < last:
-                calls = run_block(runner, calls, config.cache_device, block_list.prefix(index)[:-1])
+                hidden = run_block(runner, calls, config.cache_device, block_list.prefix(index)[:-1])
     return energies, gains
 
 
 def plan_global_by_blocks(
-    model: nn.Module, pooled: List[LayerRecord], block_list: BlockList, calls: List[BlockCall],
+    model: nn.Module, pooled: List[LayerRecord], block_list: BlockList, captured: BlockCalls,
     config: ConvertConfig, data: CalibrationData, materialise: Materialise, block_gains: BlockGains,
 ) -> Dict[str, PlanNote]:
     """:func:`~panther_lite.conversion.planning.global_plan.plan_global` over ``pooled`` from
     one :func:`spectra_pass` over the dense blocks."""
-    energies, gains = spectra_pass(model, pooled, block_list, calls, config, data, materialise, block_gains)
+    energies, gains = spectra_pass(model, pooled, block_list, captured, config, data, materialise, block_gains)
     sizes = config.sizes
     return plan_global(pooled, sizes.default, sizes.ratio_terms, rank_multiple_for(config.align), {}, gains, energies)
