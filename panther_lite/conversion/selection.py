@@ -56,7 +56,7 @@ def candidates(model: nn.Module) -> List[LayerRecord]:
     for fqn, module in model.named_modules():
         kind = kind_of(module)
         if kind is not None:
-            found.append(LayerRecord(fqn, module, kind))
+            found.append(kind.record(fqn, module))
     return found
 
 

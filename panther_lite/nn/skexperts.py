@@ -36,9 +36,9 @@ from .layer_base import INITS
 from .low_rank_fit import FIT_METHODS
 from .rank_selection import SketchSize
 from .stacked_linear import SKStackedLinear
-from .validation import check_choice, check_materialized, check_tensor
+from .validation import check_choice, check_materialized, check_positive_int, check_tensor
 
-__all__ = ["SKExperts", "IMPLEMENTATIONS"]
+__all__ = ["SKExperts", "IMPLEMENTATIONS", "expert_activation"]
 
 IMPLEMENTATIONS = tuple(SCHEDULES)
 _DEFAULT_IMPLEMENTATION = "grouped_mm"
@@ -100,13 +100,43 @@ def _weightless_copy(experts: nn.Module, projections) -> nn.Module:
     return shell
 
 
-def _check_gram_keys(gram: Optional[Mapping[str, Tensor]], names: Tuple[str, ...]) -> Mapping[str, Tensor]:
-    if gram is None:
+def _check_projection_keys(name: str, value: Optional[Mapping], names: Tuple[str, ...], what: str) -> Mapping:
+    """``value`` (a mapping from projection names, or None for ``{}``); ValueError naming the
+    argument when it is not a mapping or names another projection."""
+    if value is None:
         return {}
-    if not isinstance(gram, Mapping) or not set(gram) <= set(names):
-        keys = sorted(gram) if isinstance(gram, Mapping) else type(gram).__name__
-        raise ValueError(f"gram must map projection names {names} to per-expert Grams (E, in, in), got {keys}")
-    return gram
+    if not isinstance(value, Mapping) or not set(value) <= set(names):
+        keys = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+        raise ValueError(f"{name} must map projection names {names} to {what}, got {keys}")
+    return value
+
+
+def _projection_sizes(
+    sizes: Optional[Mapping[str, Tuple[int, int]]], names: Tuple[str, ...], num_terms: int, low_rank: int
+) -> Dict[str, Tuple[int, int]]:
+    """``(num_terms, low_rank)`` of each projection: ``sizes[name]`` where given, else the shared pair."""
+    sizes = _check_projection_keys("sizes", sizes, names, "(num_terms, low_rank) pairs")
+    found = {}
+    for name in names:
+        pair = sizes.get(name, (num_terms, low_rank))
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"sizes[{name!r}] must be a (num_terms, low_rank) pair, got {pair!r}")
+        found[name] = (check_positive_int(f"sizes[{name!r}] num_terms", pair[0]),
+                       check_positive_int(f"sizes[{name!r}] low_rank", pair[1]))
+    return found
+
+
+def expert_activation(experts: nn.Module, hidden: Tensor) -> Tensor:
+    """What a transformers experts module applies between its projections, on up-projection
+    outputs ``(S, out_up) -> (S, inter)``: its gate (``_apply_gate``, e.g. ``act(gate) * up``)
+    or, without a gate projection (``has_gate=False``), its activation."""
+    if not getattr(experts, "has_gate", True):
+        return experts.act_fn(hidden)
+    apply_gate = getattr(experts, "_apply_gate", None)
+    if apply_gate is not None:
+        return apply_gate(hidden)
+    gate, up = hidden.chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
 
 
 class SKExperts(nn.Module):
@@ -132,6 +162,9 @@ class SKExperts(nn.Module):
             dense layers' default init instead (training from scratch), or, with
             ``device="meta"``, left empty for ``load_state_dict``.
         num_terms, low_rank: ``L`` and ``k`` of every expert's projections.
+        sizes: optional ``(num_terms, low_rank)`` per projection name (e.g.
+            ``{"down_proj": (1, 8)}``), replacing ``num_terms``/``low_rank`` for it (every
+            expert of one projection shares its size: the factors are stacked).
         init: ``"svd"`` (each expert's best rank-``2Lk`` fit; at ``2Lk >= min(in, out)`` the
             experts are reproduced exactly) or ``"sketch"`` (random sign sketches).
         seed: seeds the sketches and randomized fits.
@@ -168,6 +201,7 @@ class SKExperts(nn.Module):
         implementation: Optional[str] = None,
         device=None,
         dtype: Optional[torch.dtype] = None,
+        sizes: Optional[Mapping[str, Tuple[int, int]]] = None,
     ) -> None:
         super().__init__()
         if not isinstance(experts, nn.Module):
@@ -177,11 +211,12 @@ class SKExperts(nn.Module):
         self.implementation = implementation
         projections = _dense_projections(experts)
         self._projection_names = tuple(name for name, _, _ in projections)
-        grams = _check_gram_keys(gram, self._projection_names)
+        grams = _check_projection_keys("gram", gram, self._projection_names, "per-expert Grams (E, in, in)")
+        pairs = _projection_sizes(sizes, self._projection_names, num_terms, low_rank)
         transposed = bool(getattr(experts, "is_transposed", False))
         options = dict(init=init, seed=seed, fit=fit, device=device, dtype=dtype, transposed=transposed)
         built = [
-            _sketch_projection(weight, bias, num_terms, low_rank, gram=grams.get(name), **options)
+            _sketch_projection(weight, bias, *pairs[name], gram=grams.get(name), **options)
             for name, weight, bias in projections
         ]
         self.shell = _weightless_copy(experts, projections)
@@ -201,12 +236,17 @@ class SKExperts(nn.Module):
         gram: Optional[Mapping[str, Tensor]] = None,
         fit: str = "auto",
         implementation: Optional[str] = None,
+        sizes: Optional[Mapping[str, Tuple[int, int]]] = None,
     ) -> "SKExperts":
         """SKExperts (same device and dtype) approximating ``experts``: each expert's best
         rank-``2Lk`` fit with ``init="svd"`` (optionally from per-expert Grams, see the class),
-        exact at full rank. The model's router keeps calling it unchanged:
+        exact at full rank; ``sizes`` sets a projection's own ``(num_terms, low_rank)``. The
+        model's router keeps calling it unchanged:
         ``block.experts = SKExperts.from_experts(block.experts, L, k)``."""
-        return cls(experts, num_terms, low_rank, init=init, seed=seed, gram=gram, fit=fit, implementation=implementation)
+        return cls(
+            experts, num_terms, low_rank, init=init, seed=seed, gram=gram, fit=fit, implementation=implementation,
+            sizes=sizes,
+        )
 
     @property
     def implementation(self) -> Optional[str]:
@@ -247,13 +287,7 @@ class SKExperts(nn.Module):
     def activate(self, hidden: Tensor) -> Tensor:
         """The dense module's gate (``_apply_gate``, e.g. ``act(gate) * up``) or, without a
         gate projection, its activation: ``(S, out_up) -> (S, inter)``."""
-        if self._projection_names[0] != "gate_up_proj":
-            return self.shell.act_fn(hidden)
-        apply_gate = getattr(self.shell, "_apply_gate", None)
-        if apply_gate is not None:
-            return apply_gate(hidden)
-        gate, up = hidden.chunk(2, dim=-1)
-        return self.shell.act_fn(gate) * up
+        return expert_activation(self.shell, hidden)
 
     def finish(self, hidden: Tensor) -> Tensor:
         """The dense module's post-expert norm, where it has one."""
@@ -304,11 +338,17 @@ class SKExperts(nn.Module):
         counts = [projection.parameter_counts() for projection in self.projections()]
         return SketchSize(sum(c.trainable for c in counts), sum(c.stored for c in counts))
 
+    @property
+    def sizes(self) -> Dict[str, Tuple[int, int]]:
+        """``(num_terms, low_rank)`` of each projection, by name."""
+        return {name: (p.num_terms, p.low_rank) for name, p in zip(self._projection_names, self.projections())}
+
     def extra_repr(self) -> str:
-        first = self.projections()[0]
+        first, *_ = sizes = set(self.sizes.values())
+        size = f"num_terms={first[0]}, low_rank={first[1]}" if len(sizes) == 1 else f"sizes={self.sizes}"
         return (
             f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}, "
-            f"num_terms={first.num_terms}, low_rank={first.low_rank}, implementation={self._implementation!r}"
+            f"{size}, implementation={self._implementation!r}"
         )
 
 

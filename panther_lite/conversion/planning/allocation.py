@@ -87,6 +87,12 @@ class LayerSpectrum:
     order, any length up to ``min(fan_in, fan_out)``); ``importance``: the weight ``w_l``;
     ``multiple``: ``low_rank`` is a multiple of it (tensor-core alignment), except where even
     ``low_rank = multiple`` would not beat dense (then steps of 1).
+
+    A stack of ``copies`` matrices of one shape sized together (a mixture-of-experts
+    projection: one per expert, sharing one rank) has ``energy`` ``(copies, n)``, one spectrum
+    per matrix: its error at rank ``r`` is ``w_l·Σ_c Σ_{i>r} σ_ci² / Σ_c Σ_i σ_ci²`` and it stores
+    ``copies`` times one matrix's entries. ``dense_option=False`` leaves keeping it dense out of
+    its menu (a part of a module that converts whole).
     """
 
     fan_in: int
@@ -95,6 +101,8 @@ class LayerSpectrum:
     energy: Tensor
     importance: float = 1.0
     multiple: int = 1
+    copies: int = 1
+    dense_option: bool = True
 
 
 @dataclass(frozen=True)
@@ -118,11 +126,13 @@ class _Menu:
 
 
 def _menu(layer: LayerSpectrum, num_terms: int) -> _Menu:
-    dense = dense_size(layer.fan_in, layer.fan_out, layer.bias)
-    energy = layer.energy.detach().double().flatten().clamp_min(0).sort(descending=True).values
+    dense = layer.copies * dense_size(layer.fan_in, layer.fan_out, layer.bias)
+    energy = layer.energy.detach().double()
+    energy = energy.reshape(-1, energy.shape[-1]).clamp_min(0).sort(dim=-1, descending=True).values  # (copies, n)
     total = float(energy.sum())
-    # remaining[r] = Σ_{i>=r} σ_i², so a rank-r fit leaves remaining[r].
-    remaining = torch.cat([energy.flip(0).cumsum(0).flip(0), energy.new_zeros(1)]).tolist()
+    # remaining[r] = Σ_c Σ_{i>=r} σ_ci², so rank-r fits leave remaining[r].
+    tails = torch.cat([energy.flip(-1).cumsum(-1).flip(-1), energy.new_zeros(energy.shape[0], 1)], dim=-1)
+    remaining = tails.sum(0).tolist()
 
     def error(rank: int) -> float:
         if total <= 0:
@@ -130,7 +140,7 @@ def _menu(layer: LayerSpectrum, num_terms: int) -> _Menu:
         return layer.importance * remaining[min(rank, len(remaining) - 1)] / total
 
     def fits(k: int) -> bool:
-        return sketch_size(layer.fan_in, layer.fan_out, num_terms, k, layer.bias).stored < dense
+        return layer.copies * sketch_size(layer.fan_in, layer.fan_out, num_terms, k, layer.bias).stored < dense
 
     step = layer.multiple if fits(layer.multiple) else 1
     ranks: List[Optional[int]] = []
@@ -140,8 +150,12 @@ def _menu(layer: LayerSpectrum, num_terms: int) -> _Menu:
         if 2 * num_terms * k >= len(remaining) - 1:
             break  # the fit is exact from here on: more rank only costs
         k += step
-    costs = [sketch_size(layer.fan_in, layer.fan_out, num_terms, k, layer.bias).stored for k in ranks]
+    costs = [layer.copies * sketch_size(layer.fan_in, layer.fan_out, num_terms, k, layer.bias).stored for k in ranks]
     errors = [error(2 * num_terms * k) for k in ranks]
+    if not layer.dense_option:
+        if not ranks:
+            raise ValueError(f"a {layer.fan_out}x{layer.fan_in} layer without its dense option has no sketch to choose")
+        return _Menu(ranks, costs, errors)
     return _Menu(ranks + [None], costs + [dense], errors + [0.0])
 
 
