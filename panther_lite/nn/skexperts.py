@@ -38,13 +38,13 @@ from .rank_selection import SketchSize
 from .stacked_linear import SKStackedLinear
 from .validation import check_choice, check_materialized, check_positive_int, check_tensor
 
-__all__ = ["SKExperts", "IMPLEMENTATIONS", "expert_activation"]
+__all__ = ["SKExperts", "IMPLEMENTATIONS", "expert_activation", "expert_finish", "weightless_copy", "dense_projections", "copy_sharing_config"]
 
 IMPLEMENTATIONS = tuple(SCHEDULES)
 _DEFAULT_IMPLEMENTATION = "grouped_mm"
 
 
-def _dense_projections(experts: nn.Module) -> List[Tuple[str, Tensor, Optional[Tensor]]]:
+def dense_projections(experts: nn.Module) -> List[Tuple[str, Tensor, Optional[Tensor]]]:
     """``[(name, weight, bias)]`` of the up (``gate_up_proj`` or ``up_proj``) and down
     projections of a transformers-style experts module, checked to fit together."""
     if getattr(experts, "_is_expert_parallel", False):
@@ -79,7 +79,7 @@ def _check_shapes(experts: nn.Module, found) -> None:
         )
 
 
-def _copy_sharing_config(module: nn.Module, skip: Tuple[Tensor, ...] = ()) -> nn.Module:
+def copy_sharing_config(module: nn.Module, skip: Tuple[Tensor, ...] = ()) -> nn.Module:
     """A deep copy of ``module`` that shares its ``config`` (so implementation switches reach
     both) and holds None where ``module`` holds one of the ``skip`` tensors (never copied)."""
     memo: Dict[int, object] = {id(t): None for t in skip}
@@ -89,10 +89,10 @@ def _copy_sharing_config(module: nn.Module, skip: Tuple[Tensor, ...] = ()) -> nn
     return copy.deepcopy(module, memo)
 
 
-def _weightless_copy(experts: nn.Module, projections) -> nn.Module:
+def weightless_copy(experts: nn.Module, projections) -> nn.Module:
     """``experts`` without its expert weights and biases (the SKExperts ``shell``)."""
     tensors = tuple(t for _, weight, bias in projections for t in (weight, bias) if t is not None)
-    shell = _copy_sharing_config(experts, tensors)
+    shell = copy_sharing_config(experts, tensors)
     for name, _, bias in projections:
         for key in (name, f"{name}_bias") if bias is not None else (name,):
             shell._parameters.pop(key, None)
@@ -137,6 +137,11 @@ def expert_activation(experts: nn.Module, hidden: Tensor) -> Tensor:
         return apply_gate(hidden)
     gate, up = hidden.chunk(2, dim=-1)
     return experts.act_fn(gate) * up
+
+
+def expert_finish(experts: nn.Module, hidden: Tensor) -> Tensor:
+    """A transformers experts module's post-expert norm (``has_post_expert_norm``), where it has one."""
+    return experts.post_expert_norm(hidden) if getattr(experts, "has_post_expert_norm", False) else hidden
 
 
 class SKExperts(nn.Module):
@@ -209,7 +214,7 @@ class SKExperts(nn.Module):
         check_choice("init", init, INITS)
         check_choice("fit", fit, FIT_METHODS)
         self.implementation = implementation
-        projections = _dense_projections(experts)
+        projections = dense_projections(experts)
         self._projection_names = tuple(name for name, _, _ in projections)
         grams = _check_projection_keys("gram", gram, self._projection_names, "per-expert Grams (E, in, in)")
         pairs = _projection_sizes(sizes, self._projection_names, num_terms, low_rank)
@@ -219,7 +224,7 @@ class SKExperts(nn.Module):
             _sketch_projection(weight, bias, *pairs[name], gram=grams.get(name), **options)
             for name, weight, bias in projections
         ]
-        self.shell = _weightless_copy(experts, projections)
+        self.shell = weightless_copy(experts, projections)
         _place_shell(self.shell, built[0].S1.device, dtype)
         for name, projection in zip(self._projection_names, built):
             self.add_module(name, projection)
@@ -291,7 +296,7 @@ class SKExperts(nn.Module):
 
     def finish(self, hidden: Tensor) -> Tensor:
         """The dense module's post-expert norm, where it has one."""
-        return self.shell.post_expert_norm(hidden) if getattr(self.shell, "has_post_expert_norm", False) else hidden
+        return expert_finish(self.shell, hidden)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         self._check_routing(hidden_states, top_k_index, top_k_weights)
@@ -325,7 +330,7 @@ class SKExperts(nn.Module):
     def to_dense(self) -> nn.Module:
         """The dense experts module (its original class, sharing its ``config``) computing
         the same function, with the effective weights (and biases) as parameters."""
-        dense = _copy_sharing_config(self.shell)
+        dense = copy_sharing_config(self.shell)
         for name, projection in zip(self._projection_names, self.projections()):
             dense.register_parameter(name, nn.Parameter(projection.effective_weight().clone()))
             if projection.bias is not None:

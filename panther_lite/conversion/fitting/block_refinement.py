@@ -121,5 +121,5 @@ class BlockRefiner:
         if result.error_after < result.error_before:
             for record in fitted.records:
                 fit = fitted.fits[record.name]
-                fit.weight_error = record.kind.weight_error(record, fit.module)
+                record.kind.refresh_weight_error(record, fit)
                 fit.init = f"{fit.init}+refined"

@@ -131,11 +131,15 @@ class LayerKind:
         and its name for errors."""
         return -1, self.weight_matrix(module).shape[1], "last dimension (features)"
 
+    def call_input(self, args: tuple, kwargs: dict) -> Tensor:
+        """The input tensor of a call (a forward pre-hook's ``args``/``kwargs``): :func:`layer_input`."""
+        return layer_input(args, kwargs)
+
     def read_input(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
         """The input of one call of layer ``name`` (a forward pre-hook's ``args``/``kwargs``);
         ValueError naming the layer when its shape does not fit the layer, or its dtype is
         not the weight's (outside autocast, where the layer itself would fail)."""
-        x = layer_input(args, kwargs)
+        x = self.call_input(args, kwargs)
         dim, expected, what = self.input_dimension(module)
         if x.dim() < -dim or x.shape[dim] != expected:
             raise ValueError(
@@ -246,10 +250,11 @@ class LayerKind:
 
         return fit_from_gram(record, recorder, init, seed, fit)
 
-    def weight_error(self, record: "LayerRecord", layer: nn.Module) -> float:
-        """``‖Ŵ − W‖_F / ‖W‖_F`` of the sketched ``layer`` against ``record``'s dense weight."""
+    def refresh_weight_error(self, record: "LayerRecord", fit: "FitResult") -> None:
+        """Measure ``fit``'s ``weight_error`` ``‖Ŵ − W‖_F / ‖W‖_F`` again against ``record``'s
+        dense weight (its sketched layer was trained further)."""
         weight = record.weight_matrix().detach()
-        return relative_error(layer.effective_weight().detach().reshape_as(weight), weight)
+        fit.weight_error = relative_error(fit.module.effective_weight().detach().reshape_as(weight), weight)
 
     # ------------------------------------------------------------------ conversion configs
     def config_entry(self, layer: nn.Module, frozen: bool) -> dict:
