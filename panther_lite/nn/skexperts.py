@@ -24,7 +24,6 @@ them), which is what a sketch must avoid.
 """
 from __future__ import annotations
 
-import copy
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -32,13 +31,14 @@ import torch.nn as nn
 from torch import Tensor
 
 from .experts_routing import SCHEDULES
+from .experts_shell import ShellHolder, copy_sharing_config, expert_activation, expert_finish, weightless_copy
 from .layer_base import INITS
 from .low_rank_fit import FIT_METHODS
 from .rank_selection import SketchSize
 from .stacked_linear import SKStackedLinear
 from .validation import check_choice, check_materialized, check_positive_int, check_tensor
 
-__all__ = ["SKExperts", "IMPLEMENTATIONS", "expert_activation", "expert_finish", "weightless_copy", "dense_projections", "copy_sharing_config"]
+__all__ = ["SKExperts", "IMPLEMENTATIONS", "dense_projections"]
 
 IMPLEMENTATIONS = tuple(SCHEDULES)
 _DEFAULT_IMPLEMENTATION = "grouped_mm"
@@ -79,27 +79,6 @@ def _check_shapes(experts: nn.Module, found) -> None:
         )
 
 
-def copy_sharing_config(module: nn.Module, skip: Tuple[Tensor, ...] = ()) -> nn.Module:
-    """A deep copy of ``module`` that shares its ``config`` (so implementation switches reach
-    both) and holds None where ``module`` holds one of the ``skip`` tensors (never copied)."""
-    memo: Dict[int, object] = {id(t): None for t in skip}
-    config = getattr(module, "config", None)
-    if config is not None:
-        memo[id(config)] = config
-    return copy.deepcopy(module, memo)
-
-
-def weightless_copy(experts: nn.Module, projections) -> nn.Module:
-    """``experts`` without its expert weights and biases (the SKExperts ``shell``)."""
-    tensors = tuple(t for _, weight, bias in projections for t in (weight, bias) if t is not None)
-    shell = copy_sharing_config(experts, tensors)
-    for name, _, bias in projections:
-        for key in (name, f"{name}_bias") if bias is not None else (name,):
-            shell._parameters.pop(key, None)
-            shell._buffers.pop(key, None)
-    return shell
-
-
 def _check_projection_keys(name: str, value: Optional[Mapping], names: Tuple[str, ...], what: str) -> Mapping:
     """``value`` (a mapping from projection names, or None for ``{}``); ValueError naming the
     argument when it is not a mapping or names another projection."""
@@ -126,25 +105,7 @@ def _projection_sizes(
     return found
 
 
-def expert_activation(experts: nn.Module, hidden: Tensor) -> Tensor:
-    """What a transformers experts module applies between its projections, on up-projection
-    outputs ``(S, out_up) -> (S, inter)``: its gate (``_apply_gate``, e.g. ``act(gate) * up``)
-    or, without a gate projection (``has_gate=False``), its activation."""
-    if not getattr(experts, "has_gate", True):
-        return experts.act_fn(hidden)
-    apply_gate = getattr(experts, "_apply_gate", None)
-    if apply_gate is not None:
-        return apply_gate(hidden)
-    gate, up = hidden.chunk(2, dim=-1)
-    return experts.act_fn(gate) * up
-
-
-def expert_finish(experts: nn.Module, hidden: Tensor) -> Tensor:
-    """A transformers experts module's post-expert norm (``has_post_expert_norm``), where it has one."""
-    return experts.post_expert_norm(hidden) if getattr(experts, "has_post_expert_norm", False) else hidden
-
-
-class SKExperts(nn.Module):
+class SKExperts(ShellHolder):
     r"""Sketched experts: each expert's projections are sketched linear maps with stacked factors.
 
     For every projection of the dense experts module (``gate_up_proj`` — or ``up_proj``
@@ -224,8 +185,7 @@ class SKExperts(nn.Module):
             _sketch_projection(weight, bias, *pairs[name], gram=grams.get(name), **options)
             for name, weight, bias in projections
         ]
-        self.shell = weightless_copy(experts, projections)
-        _place_shell(self.shell, built[0].S1.device, dtype)
+        self.hold_shell(weightless_copy(experts, projections), built[0].S1.device, dtype)
         for name, projection in zip(self._projection_names, built):
             self.add_module(name, projection)
 
@@ -383,15 +343,3 @@ def _sketch_projection(
         with torch.no_grad():
             layer.bias.copy_(bias)
     return layer
-
-
-def _place_shell(shell: nn.Module, device: torch.device, dtype: Optional[torch.dtype]) -> None:
-    """Move the shell's own tensors (e.g. a post-expert norm) to the factors' device (and dtype)."""
-    tensors = list(shell.parameters()) + list(shell.buffers())
-    if not tensors:
-        return
-    if any(t.is_meta for t in tensors) and device.type != "meta":
-        raise ValueError(
-            "the experts module's other parameters (e.g. post_expert_norm) are on the meta device: materialise them"
-        )
-    shell.to(device=device, dtype=dtype)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ...nn.skexperts import expert_activation
+from ...nn.experts_shell import expert_activation
 from ...nn.validation import check_finite
 from ..planning.allocation import whitened_energy
 from .shrinkage import RowMoments, shrink, shrinkage_intensity

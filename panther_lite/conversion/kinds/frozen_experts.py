@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ...nn import SKExperts
 from ...nn.factor_cache import concatenate_factors
-from ...nn.skexperts import copy_sharing_config, expert_activation, expert_finish
+from ...nn.experts_shell import ShellHolder, copy_sharing_config, expert_activation, expert_finish
 from .base import balanced_pair
 
 __all__ = ["FrozenExperts", "FrozenStackedLinear"]
@@ -56,7 +56,7 @@ class FrozenStackedLinear(nn.Module):
         return f"num_experts={self.left.shape[0]}, num_terms={self.num_terms}, low_rank={self.low_rank}"
 
 
-class FrozenExperts(nn.Module):
+class FrozenExperts(ShellHolder):
     """A frozen :class:`~panther_lite.nn.SKExperts` (:func:`~panther_lite.freeze`): the same
     forward ``(hidden_states (T, hidden), top_k_index (T, K), top_k_weights (T, K)) -> (T, hidden)``
     with each projection a :class:`FrozenStackedLinear` of the same name, and the dense module's
@@ -73,7 +73,7 @@ class FrozenExperts(nn.Module):
     def __init__(self, layer: SKExperts) -> None:
         super().__init__()
         reference = layer.projections()[0].S1
-        self.shell = copy_sharing_config(layer.shell)
+        self.hold_shell(copy_sharing_config(layer.shell), reference.device, reference.dtype)
         self._projection_names = tuple(layer.sizes)
         for name, projection in zip(self._projection_names, layer.projections()):
             self.add_module(name, FrozenStackedLinear(projection, dtype=reference.dtype, device=reference.device))
