@@ -21,7 +21,8 @@ class LayerRecord:
     """One selected layer and its :class:`~panther_lite.conversion.kinds.LayerKind`.
     ``status`` starts as ``"converted"`` (planned) and becomes ``"kept dense"`` or
     ``"skipped"`` with a ``reason``; a planner sets ``num_terms`` and ``low_rank`` of the
-    layers it converts."""
+    layers it converts. ``routed``: the layer belongs to one expert of a mixture of experts
+    (:mod:`~panther_lite.conversion.routing`)."""
 
     name: str
     module: nn.Module
@@ -30,6 +31,7 @@ class LayerRecord:
     reason: str = ""
     num_terms: Optional[int] = None
     low_rank: Optional[int] = None
+    routed: bool = False
 
     @property
     def to_convert(self) -> bool:
@@ -93,6 +95,10 @@ class LayerRecord:
 
     def skip(self, status: str, reason: str) -> None:
         self.status, self.reason = status, reason
+
+    def note(self, text: str) -> None:
+        """Add ``text`` to the report's ``reason`` (after what is there)."""
+        self.reason = f"{self.reason}; {text}" if self.reason else text
 
 
 def check_finite_weights(records: List[LayerRecord]) -> None:

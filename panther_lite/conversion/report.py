@@ -73,7 +73,8 @@ def build_report(
     rows = [_row(part, _part_fit(record, part, fits.get(record.name))) for record in records for part in record.parts]
     extra = [column for row in rows for column in row if column not in REPORT_COLUMNS]
     report = pd.DataFrame(rows, columns=REPORT_COLUMNS + list(dict.fromkeys(extra)))
-    for column in ("num_terms", "low_rank"):
+    counts = [c for c in extra if all(isinstance(v, int) and not isinstance(v, bool) for v in report[c].dropna())]
+    for column in ("num_terms", "low_rank", *dict.fromkeys(counts)):
         report[column] = report[column].astype("Int64")
     report.attrs["model_stored_before"] = stored_before
     report.attrs["model_stored_after"] = stored_after

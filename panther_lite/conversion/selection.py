@@ -14,6 +14,7 @@ from .adapters import adapter_skip_reason
 from .config import ModuleFilter, ModuleSelector
 from .kinds import kind_of, registered_kinds, sketched_types
 from .records import SKIPPED, LayerRecord
+from .routing import mark_routing
 
 
 # Parents whose forward reads these children's ``.weight`` directly instead of calling them:
@@ -188,7 +189,8 @@ def _context_reason(model: nn.Module, record: LayerRecord, owners: ParameterOwne
 
 def mark_unconvertible(model: nn.Module, records: List[LayerRecord], *, meta_loaded_later: bool = False) -> None:
     """Mark ``"skipped"``, with the reason, each selected layer that cannot be swapped
-    without changing what the model computes or breaking the code around it. A layer whose
+    without changing what the model computes or breaking the code around it, and keep the
+    routers of mixtures of experts dense (:func:`~panther_lite.conversion.routing.mark_routing`). A layer whose
     weight is on the meta device has no values to fit, unless ``meta_loaded_later`` (a pipeline
     that loads each block's weights itself before fitting it)."""
     owners = parameter_owners(model)
@@ -200,3 +202,6 @@ def mark_unconvertible(model: nn.Module, records: List[LayerRecord], *, meta_loa
         )
         if reason is not None:
             record.skip(SKIPPED, reason)
+        elif record.kind.behaviour_note(record.module):
+            record.note(record.kind.behaviour_note(record.module))
+    mark_routing(model, records)

@@ -61,6 +61,7 @@ def fit_layer(
     seed: Optional[int],
     fit: str = "auto",
     fit_gram: Optional[Tensor] = None,
+    whiten: bool = True,
 ) -> FitResult:
     """The sketched layer of ``record``'s planned size. ``init="svd"`` with a ``gram`` fits
     the outputs on the calibration data (``"calibrated"`` in the report), whitened by
@@ -68,10 +69,11 @@ def fit_layer(
     :mod:`~panther_lite.conversion.calibration.shrinkage`); ``output_error`` is
     measured on ``gram`` itself, which is all it feeds for ``init="sketch"``. ``fit`` picks
     the decomposition (``"auto"``, ``"exact"`` or ``"randomized"``, see
-    :mod:`panther_lite.nn.low_rank_fit`)."""
+    :mod:`panther_lite.nn.low_rank_fit`). ``whiten=False`` fits the weight alone (data-free)
+    while ``gram`` still measures the output error."""
     if fit_gram is None:
         fit_gram = gram
-    fit_gram = fit_gram if init == "svd" and gram is not None else None
+    fit_gram = fit_gram if init == "svd" and gram is not None and whiten else None
     new = record.kind.build(
         record.module, record.num_terms, record.low_rank, init=init, seed=seed, gram=fit_gram, fit=fit
     )

@@ -18,7 +18,7 @@ from .sequential import fit_sequentially
 
 
 def warn_uncalibrated(record: LayerRecord) -> None:
-    record.reason = "calibration data never reached this layer; fitted to the weight alone"
+    record.note("calibration data never reached this layer; fitted to the weight alone")
     warnings.warn(
         f"convert: calibration data never reached {record.name!r}; fitted to its weight alone", UserWarning, stacklevel=5
     )
@@ -29,10 +29,17 @@ def fit_from_gram(
 ) -> FitResult:
     """The fit of a one-matrix layer from its Gram recorder (None: from its weight alone; a
     recorder no batch reached: the same, with a warning), its statistics shrunk as their rows
-    warrant (the report says so when they are fewer than the layer's inputs)."""
+    warrant (the report says so when they are fewer than the layer's inputs). A routed expert
+    that received fewer rows than it has inputs is fitted to its weight alone (data-free)."""
     gram = None if recorder is None else recorder.finite_gram()
     if recorder is not None and gram is None:
         warn_uncalibrated(record)
+    if gram is not None and record.routed and recorder.rows < record.fan_in:
+        record.note(
+            f"routed expert: received {recorder.rows} calibration rows, fewer than its {record.fan_in} inputs: "
+            "fitted to its weight alone (data-free)"
+        )
+        return fit_layer(record, init, gram, seed, fit, whiten=False)
     fit_gram = None if gram is None else recorder.fit_gram()
     if fit_gram is not None:
         note_few_rows(record, recorder.moments, shrinkage_intensity(gram, recorder.moments))

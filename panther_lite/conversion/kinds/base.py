@@ -105,6 +105,11 @@ class LayerKind:
                 )
         return None
 
+    def behaviour_note(self, module: nn.Module) -> str:
+        """What the report says of a module that converts although its class changes the dense
+        class's behaviour (a verified override), else ``""``."""
+        return ""
+
     def unsupported(self, module: nn.Module) -> Optional[str]:
         """Why the sketched layer cannot stand for this module (an option it lacks), or None."""
         return None
