@@ -82,7 +82,7 @@ def routed_rows(model: nn.Module, batches):
     rows = {}
     for e, found in inputs.items():
         x = torch.stack(found)
-        gate, up = (x @ experts.gate_up_proj[e].t()).chunk(2, dim=-1)
+        gate, up = (x @ experts.gate_up_proj[e].detach().t()).chunk(2, dim=-1)
         rows[e] = (x, experts.act_fn(gate) * up)
     return rows
 
@@ -235,7 +235,7 @@ def test_refinement_trains_the_experts_and_measures_them_again(moe):
     for _, row in experts.iterrows():
         module_name, _, projection = row["name"].rpartition(".")
         effective = model.get_submodule(module_name).effective_weights()[projection].detach()
-        original = getattr(dense.get_submodule(module_name), projection)
+        original = getattr(dense.get_submodule(module_name), projection).detach()
         per_expert = [float((effective[e] - original[e]).norm() / original[e].norm()) for e in range(moe.EXPERTS)]
         assert row["weight_error"] == pytest.approx(float((effective - original).norm() / original.norm()), rel=1e-5)
         assert list(row["expert_weight_errors"]) == pytest.approx(per_expert, rel=1e-5)
