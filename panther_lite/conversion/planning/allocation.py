@@ -36,7 +36,9 @@ from torch import Tensor
 
 from ...nn.rank_selection import dense_size, sketch_size
 
-__all__ = ["LayerSpectrum", "Allocation", "BudgetTooSmall", "allocate_budget", "minimum_stored", "whitened_energy"]
+__all__ = [
+    "LayerSpectrum", "Allocation", "BudgetTooSmall", "allocate_budget", "minimum_stored", "largest_sketch", "whitened_energy",
+]
 
 _BUDGET_STEPS = 4096
 
@@ -91,8 +93,7 @@ class LayerSpectrum:
     A stack of ``copies`` matrices of one shape sized together (a mixture-of-experts
     projection: one per expert, sharing one rank) has ``energy`` ``(copies, n)``, one spectrum
     per matrix: its error at rank ``r`` is ``w_l·Σ_c Σ_{i>r} σ_ci² / Σ_c Σ_i σ_ci²`` and it stores
-    ``copies`` times one matrix's entries. ``dense_option=False`` leaves keeping it dense out of
-    its menu (a part of a module that converts whole).
+    ``copies`` times one matrix's entries.
     """
 
     fan_in: int
@@ -102,7 +103,6 @@ class LayerSpectrum:
     importance: float = 1.0
     multiple: int = 1
     copies: int = 1
-    dense_option: bool = True
 
 
 @dataclass(frozen=True)
@@ -152,11 +152,15 @@ def _menu(layer: LayerSpectrum, num_terms: int) -> _Menu:
         k += step
     costs = [layer.copies * sketch_size(layer.fan_in, layer.fan_out, num_terms, k, layer.bias).stored for k in ranks]
     errors = [error(2 * num_terms * k) for k in ranks]
-    if not layer.dense_option:
-        if not ranks:
-            raise ValueError(f"a {layer.fan_out}x{layer.fan_in} layer without its dense option has no sketch to choose")
-        return _Menu(ranks, costs, errors)
     return _Menu(ranks + [None], costs + [dense], errors + [0.0])
+
+
+def largest_sketch(layer: LayerSpectrum, num_terms: int) -> Optional[Allocation]:
+    """The largest sketch of ``layer`` that stores fewer entries than dense (None: none does)."""
+    menu = _menu(layer, num_terms)
+    if len(menu.ranks) < 2:
+        return None
+    return Allocation(menu.ranks[-2], menu.costs[-2], menu.errors[-2])
 
 
 def minimum_stored(layers: Sequence[LayerSpectrum], *, num_terms: int = 1) -> int:

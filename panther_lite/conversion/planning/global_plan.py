@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ...nn import sketch_size
 from ..records import KEPT_DENSE, LayerRecord
-from .allocation import BudgetTooSmall, LayerSpectrum, allocate_budget, whitened_energy
+from .allocation import Allocation, BudgetTooSmall, LayerSpectrum, allocate_budget, largest_sketch, whitened_energy
 from .sizes import PlanNote, RankMultiple
 
 
@@ -34,9 +34,11 @@ def plan_global(
     given, is the layer's whitened spectrum already computed
     (:func:`~panther_lite.conversion.planning.allocation.whitened_energy`), its Gram freed.
 
-    Each part of a record holding several weight stacks (a mixture-of-experts module) is
-    sized on its own, weighted by its record's gain, with no dense option: the module converts
-    whole (it is kept dense only when a part has no sketch cheaper than dense). Notes are by part name."""
+    Each part of a record holding several weight stacks (a mixture-of-experts module) is sized
+    on its own, weighted by its record's gain; the module converts or stays dense whole, so
+    when the plan keeps only some of its parts dense, the whole module stays dense if the
+    budget left pays for it, else those parts get their largest sketch (:func:`_settle`).
+    Notes are by part name."""
     gains = _usable_gains(gains)
     energies = {} if energies is None else energies
     parts = [(record, part) for record in records for part in record.parts]
@@ -44,8 +46,7 @@ def plan_global(
     spectra = [
         LayerSpectrum(
             part.fan_in, part.fan_out, part.has_bias, _energy(record, part, grams, energies),
-            importance=gains.get(part.name, gains.get(record.name, 1.0)), multiple=multiple_of(part),
-            copies=part.copies, dense_option=part is record or not _has_sketch(part, num_terms),
+            importance=gains.get(part.name, gains.get(record.name, 1.0)), multiple=multiple_of(part), copies=part.copies,
         )
         for record, part in parts
     ]
@@ -55,17 +56,48 @@ def plan_global(
         dense = sum(part.dense_params for _, part in parts)
         message = f"param_ratio={ratio:g} with allocation='global' is below {error.minimum / dense:.4g}: {error}"
         raise BudgetTooSmall(message, error.minimum, error.minimum / dense) from None
+    plan = _settle(parts, spectra, plan, budget, num_terms)
     notes = {}
     for (_, part), spectrum, allocation in zip(parts, spectra, plan):
         share = allocation.stored / budget
         if allocation.low_rank is None:
             cheapest = part.copies * sketch_size(part.fan_in, part.fan_out, num_terms, 1, part.has_bias).stored
-            part.skip(KEPT_DENSE, _dense_reason(part, cheapest, share))
+            if part.to_convert:
+                part.skip(KEPT_DENSE, _dense_reason(part, cheapest, share))
         else:
             part.num_terms, part.low_rank = num_terms, allocation.low_rank
         aligned = part.to_convert and allocation.low_rank % spectrum.multiple == 0
         notes[part.name] = PlanNote(rank_multiple=spectrum.multiple if aligned else 1, budget_share=share)
     return notes
+
+
+def _settle(parts, spectra: List[LayerSpectrum], plan: List[Allocation], budget: float, num_terms: int) -> List[Allocation]:
+    """``plan`` with every record of several parts wholly dense or wholly sketched: a record
+    whose plan keeps some of its parts dense becomes dense whole when the budget left pays for
+    it (or a dense part has no sketch), else its dense parts get their largest sketch (each
+    cheaper than dense)."""
+    plan = list(plan)
+    left = budget - sum(allocation.stored for allocation in plan)
+    by_record: Dict[int, List[int]] = {}
+    for index, (record, part) in enumerate(parts):
+        if part is not record:
+            by_record.setdefault(id(record), []).append(index)
+    for indices in by_record.values():
+        dense = [i for i in indices if plan[i].low_rank is None]
+        if not dense or len(dense) == len(indices):
+            continue
+        sketched = [i for i in indices if i not in dense]
+        extra = sum(parts[i][1].dense_params - plan[i].stored for i in sketched)
+        largest = {i: largest_sketch(spectra[i], num_terms) for i in dense}
+        if extra <= left or any(found is None for found in largest.values()):
+            for i in sketched:
+                plan[i] = Allocation(None, parts[i][1].dense_params, 0.0)
+            left -= extra
+        else:
+            for i, found in largest.items():
+                left += plan[i].stored - found.stored
+                plan[i] = found
+    return plan
 
 
 def _energy(record: LayerRecord, part: LayerRecord, grams: Dict[str, Optional[Tensor]], energies: Dict[str, Tensor]) -> Tensor:
@@ -76,11 +108,6 @@ def _energy(record: LayerRecord, part: LayerRecord, grams: Dict[str, Optional[Te
     if part is record:
         return whitened_energy(record.weight_matrix(), grams.get(record.name))
     return record.kind.energies(record, None)[part.name]
-
-
-def _has_sketch(part: LayerRecord, num_terms: int) -> bool:
-    """Whether a rank-1 sketch of the part stores fewer entries than its dense matrices."""
-    return part.copies * sketch_size(part.fan_in, part.fan_out, num_terms, 1, part.has_bias).stored < part.dense_params
 
 
 def _usable_gains(gains: Dict[str, float]) -> Dict[str, float]:

@@ -239,3 +239,13 @@ def test_refinement_trains_the_experts_and_measures_them_again(moe):
         per_expert = [float((effective[e] - original[e]).norm() / original[e].norm()) for e in range(moe.EXPERTS)]
         assert row["weight_error"] == pytest.approx(float((effective - original).norm() / original.norm()), rel=1e-5)
         assert list(row["expert_weight_errors"]) == pytest.approx(per_expert, rel=1e-5)
+
+
+def test_a_global_budget_of_one_keeps_the_experts_dense_and_a_small_one_sketches_them():
+    report = panther_lite.convert(moe_block(), param_ratio=1.0, allocation="global", calibration_data=data(), progress=False)
+    assert (report["status"] == "kept dense").all()
+    model = moe_block()
+    report = panther_lite.convert(model, param_ratio=0.3, allocation="global", calibration_data=data(), progress=False)
+    experts = report[report["kind"] == "Experts"]
+    assert (experts["status"] == "converted").all() and isinstance(model[1].experts, SKExperts)
+    assert report["stored_params"].sum() <= 0.3 * report["dense_params"].sum()
