@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 import panther_lite
-from panther_lite.benchmark import new_figure, save_figure
+from panther_lite.benchmark import new_figure, save_figure, write_table_and_figure
 from panther_lite.benchmark.cli import positive_int
 from panther_lite.benchmark.tasks import accuracy, load_digits_split, train_classifier
 
@@ -164,12 +164,7 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    frame = run(args)
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.output_dir / "moe_quality_digits"
-    frame.to_csv(stem.with_suffix(".csv"), index=False)
-    plot(frame, stem.with_suffix(".png"))
-    print(f"wrote {stem}.csv and {stem}.png")
+    write_table_and_figure(run(args), args.output_dir / "moe_quality_digits", plot)
     return 0
 
 
