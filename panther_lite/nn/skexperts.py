@@ -12,7 +12,7 @@ whole: same forward signature and result, so the model's router and block run un
 Everything model-specific stays the model's: SKExperts keeps a copy of the dense module
 without its expert weights (``shell``: activation, ``_apply_gate`` — gpt-oss's clamped
 SwiGLU included —, flags such as ``has_gate``/``is_transposed``, a post-expert norm, and
-the *same* ``config`` object), so ``model.set_experts_implementation("batched_mm")`` switches
+the *same* ``config`` object; held outside the module tree, :mod:`~panther_lite.nn.experts_shell`), so ``model.set_experts_implementation("batched_mm")`` switches
 SKExperts too: it runs the sketched schedule of that name
 (:mod:`~panther_lite.nn.experts_routing`); names with no sketched schedule (GPU kernels
 for dense weights such as ``deepgemm``/``sonicmoe``) and a standalone module run ``grouped_mm``.

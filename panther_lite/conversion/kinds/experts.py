@@ -188,7 +188,7 @@ class ExpertsKind(LayerKind):
         return args[0] if args else kwargs["hidden_states"]
 
     def input_dimension(self, module: nn.Module) -> Tuple[int, int, str]:
-        name, weight, _ = _projections(module)[0]
+        _, weight, _ = _projections(module)[0]
         transposed = bool(getattr(module, "is_transposed", False))
         return -1, weight.shape[1 if transposed else 2], "last dimension (hidden size)"
 
