@@ -43,6 +43,7 @@ from panther_lite.benchmark import (
     paired_ratio,
     save_figure,
     time_interleaved,
+    write_table_and_figure,
 )
 from panther_lite.benchmark.cli import DTYPES, non_negative_int, positive_int
 from panther_lite.nn import SKExperts
@@ -209,12 +210,7 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    frame = run(args)
-    stem = args.output_dir / f"experts_{args.dtype}"
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(stem.with_suffix(".csv"), index=False)
-    plot(frame, stem.with_suffix(".png"))
-    print(f"wrote {stem}.csv and {stem}.png")
+    write_table_and_figure(run(args), args.output_dir / f"experts_{args.dtype}", plot)
     return 0
 
 

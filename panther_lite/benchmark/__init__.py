@@ -55,7 +55,7 @@ from .memory import count_parameters, parameter_bytes, saved_activation_bytes, t
 from .plots import (
     new_figure, plot_heatmaps, plot_tradeoff, publish_sweep_results, replace_sweep_plots, save_figure, staged_path,
 )
-from .records import CsvRows
+from .records import CsvRows, write_table_and_figure
 from .roofline import DevicePeaks, measure_device_peaks, roofline_ms
 from .sweep import ERROR_COLUMNS, SWEEP_COLUMNS, run_sweep
 from .tasks import (
@@ -111,6 +111,7 @@ __all__ = [
     "device_name",
     "run_sweep",
     "CsvRows",
+    "write_table_and_figure",
     "LabelledData",
     "load_digits_split",
     "mlp_classifier",

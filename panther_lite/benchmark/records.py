@@ -6,7 +6,7 @@ import csv
 import math
 import os
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Union
+from typing import Callable, Dict, Optional, Sequence, Union
 
 
 def partial_path(path: Union[str, Path]) -> Path:
@@ -60,6 +60,16 @@ class CsvRows:
             partial.unlink()
         else:
             exc.add_note(f"the {self.rows_written} rows finished are in {partial}; {self.path} was left as it was")
+
+
+def write_table_and_figure(frame, stem: Union[str, Path], plot: Callable[[object, Path], None]) -> None:
+    """Write a benchmark's rows to ``<stem>.csv`` and ``plot(frame, <stem>.png)`` (the folder
+    created as needed), and say so on stdout."""
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(stem.with_suffix(".csv"), index=False)
+    plot(frame, stem.with_suffix(".png"))
+    print(f"wrote {stem}.csv and {stem}.png")
 
 
 def _missing(value: object) -> bool:

@@ -19,7 +19,9 @@ from .api import convert, densify
 from .calibration.random_tokens import random_token_batches
 from .config import ConvertConfig, RefineConfig
 from .deploy.freezing import freeze
-from .kinds import FrozenConv1d, FrozenConv2d, FrozenConv3d, FrozenLinear, LayerKind, LinearKind, register_kind
+from .kinds import (
+    FrozenConv1d, FrozenConv2d, FrozenConv3d, FrozenExperts, FrozenLinear, LayerKind, LinearKind, register_kind,
+)
 from .pipelines import Pipeline
 from .report import conversion_summary
 from .saving.pretrained import from_pretrained, save_pretrained
@@ -37,6 +39,7 @@ __all__ = [
     "FrozenConv1d",
     "FrozenConv2d",
     "FrozenConv3d",
+    "FrozenExperts",
     "register_kind",
     "LayerKind",
     "LinearKind",

@@ -21,7 +21,8 @@ class LayerRecord:
     """One selected layer and its :class:`~panther_lite.conversion.kinds.LayerKind`.
     ``status`` starts as ``"converted"`` (planned) and becomes ``"kept dense"`` or
     ``"skipped"`` with a ``reason``; a planner sets ``num_terms`` and ``low_rank`` of the
-    layers it converts."""
+    layers it converts. ``routed``: the layer belongs to one expert of a mixture of experts
+    (:mod:`~panther_lite.conversion.routing`)."""
 
     name: str
     module: nn.Module
@@ -30,6 +31,7 @@ class LayerRecord:
     reason: str = ""
     num_terms: Optional[int] = None
     low_rank: Optional[int] = None
+    routed: bool = False
 
     @property
     def to_convert(self) -> bool:
@@ -74,8 +76,29 @@ class LayerRecord:
         """Parameters of the dense layer (0 while a lazy module is uninitialized)."""
         return 0 if self.is_lazy else dense_size(self.fan_in, self.fan_out, self.has_bias)
 
+    @property
+    def parts(self) -> List["LayerRecord"]:
+        """The weight matrices planned one by one: the layer itself. A kind holding several
+        (a mixture-of-experts module: one stack per projection) gives records with one part
+        per stack; a part has a record's sizing attributes, ``copies`` matrices of
+        ``fan_out × fan_in`` (``weight_stack``), and shares its record's status."""
+        return [self]
+
+    @property
+    def copies(self) -> int:
+        """How many ``fan_out × fan_in`` matrices of one size this part holds (1 for a layer)."""
+        return 1
+
+    def weight_stack(self) -> Tensor:
+        """The weight matrices ``(copies, fan_out, fan_in)`` (views)."""
+        return self.weight_matrix().unsqueeze(0)
+
     def skip(self, status: str, reason: str) -> None:
         self.status, self.reason = status, reason
+
+    def note(self, text: str) -> None:
+        """Add ``text`` to the report's ``reason`` (after what is there)."""
+        self.reason = f"{self.reason}; {text}" if self.reason else text
 
 
 def check_finite_weights(records: List[LayerRecord]) -> None:

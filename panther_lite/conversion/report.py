@@ -31,6 +31,13 @@ REPORT_COLUMNS = [
 _FIT_FIGURES = ("init", "trainable_params", "stored_params", "weight_error", "output_error")
 
 
+def _part_fit(record: LayerRecord, part: LayerRecord, fit: "FitResult | None") -> "FitResult | None":
+    """The fit figures of one part of ``record`` (the record's own for a one-matrix layer)."""
+    if fit is None or part is record:
+        return fit
+    return fit.parts.get(part.name)
+
+
 def _row(record: LayerRecord, fit: "FitResult | None") -> dict:
     dense = record.dense_params
     row = dict(
@@ -49,7 +56,7 @@ def _row(record: LayerRecord, fit: "FitResult | None") -> dict:
         output_error=math.nan,
     )
     if fit is not None:
-        row.update({figure: getattr(fit, figure) for figure in _FIT_FIGURES})
+        row.update({figure: getattr(fit, figure) for figure in _FIT_FIGURES}, **fit.extra)
     row["stored_ratio"] = row["stored_params"] / dense if dense else math.nan
     return row
 
@@ -57,12 +64,17 @@ def _row(record: LayerRecord, fit: "FitResult | None") -> dict:
 def build_report(
     records: List[LayerRecord], fits: Dict[str, FitResult], stored_before: int, stored_after: int
 ) -> "pd.DataFrame":
-    """The report :func:`~panther_lite.convert` returns (columns :data:`REPORT_COLUMNS`);
-    ``attrs`` holds the whole model's stored entries before/after and the summary line."""
+    """The report :func:`~panther_lite.convert` returns (columns :data:`REPORT_COLUMNS`, then
+    any a kind adds, e.g. the per-expert figures of a mixture-of-experts projection); one row
+    per part of each record (the layer itself, or each weight stack of a mixture-of-experts
+    module); ``attrs`` holds the whole model's stored entries before/after and the summary line."""
     import pandas as pd
 
-    report = pd.DataFrame([_row(record, fits.get(record.name)) for record in records], columns=REPORT_COLUMNS)
-    for column in ("num_terms", "low_rank"):
+    rows = [_row(part, _part_fit(record, part, fits.get(record.name))) for record in records for part in record.parts]
+    extra = [column for row in rows for column in row if column not in REPORT_COLUMNS]
+    report = pd.DataFrame(rows, columns=REPORT_COLUMNS + list(dict.fromkeys(extra)))
+    counts = [c for c in extra if all(isinstance(v, int) and not isinstance(v, bool) for v in report[c].dropna())]
+    for column in ("num_terms", "low_rank", *dict.fromkeys(counts)):
         report[column] = report[column].astype("Int64")
     report.attrs["model_stored_before"] = stored_before
     report.attrs["model_stored_after"] = stored_after

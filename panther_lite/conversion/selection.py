@@ -14,6 +14,7 @@ from .adapters import adapter_skip_reason
 from .config import ModuleFilter, ModuleSelector
 from .kinds import frozen_types, kind_of, registered_kinds, sketched_types
 from .records import SKIPPED, LayerRecord
+from .routing import mark_routing
 
 
 # Parents whose forward reads these children's ``.weight`` directly instead of calling them:
@@ -63,7 +64,7 @@ def candidates(model: nn.Module) -> List[LayerRecord]:
     for fqn, module in model.named_modules():
         kind = kind_of(module)
         if kind is not None and not (frozen and fqn.startswith(frozen)):
-            found.append(LayerRecord(fqn, module, kind))
+            found.append(kind.record(fqn, module))
     return found
 
 
@@ -204,7 +205,8 @@ def _context_reason(model: nn.Module, record: LayerRecord, owners: ParameterOwne
 
 def mark_unconvertible(model: nn.Module, records: List[LayerRecord], *, meta_loaded_later: bool = False) -> None:
     """Mark ``"skipped"``, with the reason, each selected layer that cannot be swapped
-    without changing what the model computes or breaking the code around it. A layer whose
+    without changing what the model computes or breaking the code around it, and keep the
+    routers of mixtures of experts dense (:func:`~panther_lite.conversion.routing.mark_routing`). A layer whose
     weight is on the meta device has no values to fit, unless ``meta_loaded_later`` (a pipeline
     that loads each block's weights itself before fitting it)."""
     owners = parameter_owners(model)
@@ -216,3 +218,6 @@ def mark_unconvertible(model: nn.Module, records: List[LayerRecord], *, meta_loa
         )
         if reason is not None:
             record.skip(SKIPPED, reason)
+        elif record.kind.behaviour_note(record.module):
+            record.note(record.kind.behaviour_note(record.module))
+    mark_routing(model, records)

@@ -12,7 +12,7 @@ whole: same forward signature and result, so the model's router and block run un
 Everything model-specific stays the model's: SKExperts keeps a copy of the dense module
 without its expert weights (``shell``: activation, ``_apply_gate`` — gpt-oss's clamped
 SwiGLU included —, flags such as ``has_gate``/``is_transposed``, a post-expert norm, and
-the *same* ``config`` object), so ``model.set_experts_implementation("batched_mm")`` switches
+the *same* ``config`` object; held outside the module tree, :mod:`~panther_lite.nn.experts_shell`), so ``model.set_experts_implementation("batched_mm")`` switches
 SKExperts too: it runs the sketched schedule of that name
 (:mod:`~panther_lite.nn.experts_routing`); names with no sketched schedule (GPU kernels
 for dense weights such as ``deepgemm``/``sonicmoe``) and a standalone module run ``grouped_mm``.
@@ -24,7 +24,6 @@ them), which is what a sketch must avoid.
 """
 from __future__ import annotations
 
-import copy
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -32,19 +31,20 @@ import torch.nn as nn
 from torch import Tensor
 
 from .experts_routing import SCHEDULES
+from .experts_shell import ShellHolder, copy_sharing_config, expert_activation, expert_finish, weightless_copy
 from .layer_base import INITS
 from .low_rank_fit import FIT_METHODS
 from .rank_selection import SketchSize
 from .stacked_linear import SKStackedLinear
-from .validation import check_choice, check_materialized, check_tensor
+from .validation import check_choice, check_materialized, check_positive_int, check_tensor
 
-__all__ = ["SKExperts", "IMPLEMENTATIONS"]
+__all__ = ["SKExperts", "IMPLEMENTATIONS", "dense_projections"]
 
 IMPLEMENTATIONS = tuple(SCHEDULES)
 _DEFAULT_IMPLEMENTATION = "grouped_mm"
 
 
-def _dense_projections(experts: nn.Module) -> List[Tuple[str, Tensor, Optional[Tensor]]]:
+def dense_projections(experts: nn.Module) -> List[Tuple[str, Tensor, Optional[Tensor]]]:
     """``[(name, weight, bias)]`` of the up (``gate_up_proj`` or ``up_proj``) and down
     projections of a transformers-style experts module, checked to fit together."""
     if getattr(experts, "_is_expert_parallel", False):
@@ -79,37 +79,33 @@ def _check_shapes(experts: nn.Module, found) -> None:
         )
 
 
-def _copy_sharing_config(module: nn.Module, skip: Tuple[Tensor, ...] = ()) -> nn.Module:
-    """A deep copy of ``module`` that shares its ``config`` (so implementation switches reach
-    both) and holds None where ``module`` holds one of the ``skip`` tensors (never copied)."""
-    memo: Dict[int, object] = {id(t): None for t in skip}
-    config = getattr(module, "config", None)
-    if config is not None:
-        memo[id(config)] = config
-    return copy.deepcopy(module, memo)
-
-
-def _weightless_copy(experts: nn.Module, projections) -> nn.Module:
-    """``experts`` without its expert weights and biases (the SKExperts ``shell``)."""
-    tensors = tuple(t for _, weight, bias in projections for t in (weight, bias) if t is not None)
-    shell = _copy_sharing_config(experts, tensors)
-    for name, _, bias in projections:
-        for key in (name, f"{name}_bias") if bias is not None else (name,):
-            shell._parameters.pop(key, None)
-            shell._buffers.pop(key, None)
-    return shell
-
-
-def _check_gram_keys(gram: Optional[Mapping[str, Tensor]], names: Tuple[str, ...]) -> Mapping[str, Tensor]:
-    if gram is None:
+def _check_projection_keys(name: str, value: Optional[Mapping], names: Tuple[str, ...], what: str) -> Mapping:
+    """``value`` (a mapping from projection names, or None for ``{}``); ValueError naming the
+    argument when it is not a mapping or names another projection."""
+    if value is None:
         return {}
-    if not isinstance(gram, Mapping) or not set(gram) <= set(names):
-        keys = sorted(gram) if isinstance(gram, Mapping) else type(gram).__name__
-        raise ValueError(f"gram must map projection names {names} to per-expert Grams (E, in, in), got {keys}")
-    return gram
+    if not isinstance(value, Mapping) or not set(value) <= set(names):
+        keys = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+        raise ValueError(f"{name} must map projection names {names} to {what}, got {keys}")
+    return value
 
 
-class SKExperts(nn.Module):
+def _projection_sizes(
+    sizes: Optional[Mapping[str, Tuple[int, int]]], names: Tuple[str, ...], num_terms: int, low_rank: int
+) -> Dict[str, Tuple[int, int]]:
+    """``(num_terms, low_rank)`` of each projection: ``sizes[name]`` where given, else the shared pair."""
+    sizes = _check_projection_keys("sizes", sizes, names, "(num_terms, low_rank) pairs")
+    found = {}
+    for name in names:
+        pair = sizes.get(name, (num_terms, low_rank))
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"sizes[{name!r}] must be a (num_terms, low_rank) pair, got {pair!r}")
+        found[name] = (check_positive_int(f"sizes[{name!r}] num_terms", pair[0]),
+                       check_positive_int(f"sizes[{name!r}] low_rank", pair[1]))
+    return found
+
+
+class SKExperts(ShellHolder):
     r"""Sketched experts: each expert's projections are sketched linear maps with stacked factors.
 
     For every projection of the dense experts module (``gate_up_proj`` — or ``up_proj``
@@ -132,6 +128,9 @@ class SKExperts(nn.Module):
             dense layers' default init instead (training from scratch), or, with
             ``device="meta"``, left empty for ``load_state_dict``.
         num_terms, low_rank: ``L`` and ``k`` of every expert's projections.
+        sizes: optional ``(num_terms, low_rank)`` per projection name (e.g.
+            ``{"down_proj": (1, 8)}``), replacing ``num_terms``/``low_rank`` for it (every
+            expert of one projection shares its size: the factors are stacked).
         init: ``"svd"`` (each expert's best rank-``2Lk`` fit; at ``2Lk >= min(in, out)`` the
             experts are reproduced exactly) or ``"sketch"`` (random sign sketches).
         seed: seeds the sketches and randomized fits.
@@ -168,6 +167,7 @@ class SKExperts(nn.Module):
         implementation: Optional[str] = None,
         device=None,
         dtype: Optional[torch.dtype] = None,
+        sizes: Optional[Mapping[str, Tuple[int, int]]] = None,
     ) -> None:
         super().__init__()
         if not isinstance(experts, nn.Module):
@@ -175,17 +175,17 @@ class SKExperts(nn.Module):
         check_choice("init", init, INITS)
         check_choice("fit", fit, FIT_METHODS)
         self.implementation = implementation
-        projections = _dense_projections(experts)
+        projections = dense_projections(experts)
         self._projection_names = tuple(name for name, _, _ in projections)
-        grams = _check_gram_keys(gram, self._projection_names)
+        grams = _check_projection_keys("gram", gram, self._projection_names, "per-expert Grams (E, in, in)")
+        pairs = _projection_sizes(sizes, self._projection_names, num_terms, low_rank)
         transposed = bool(getattr(experts, "is_transposed", False))
         options = dict(init=init, seed=seed, fit=fit, device=device, dtype=dtype, transposed=transposed)
         built = [
-            _sketch_projection(weight, bias, num_terms, low_rank, gram=grams.get(name), **options)
+            _sketch_projection(weight, bias, *pairs[name], gram=grams.get(name), **options)
             for name, weight, bias in projections
         ]
-        self.shell = _weightless_copy(experts, projections)
-        _place_shell(self.shell, built[0].S1.device, dtype)
+        self.hold_shell(weightless_copy(experts, projections), built[0].S1.device, dtype)
         for name, projection in zip(self._projection_names, built):
             self.add_module(name, projection)
 
@@ -201,12 +201,17 @@ class SKExperts(nn.Module):
         gram: Optional[Mapping[str, Tensor]] = None,
         fit: str = "auto",
         implementation: Optional[str] = None,
+        sizes: Optional[Mapping[str, Tuple[int, int]]] = None,
     ) -> "SKExperts":
         """SKExperts (same device and dtype) approximating ``experts``: each expert's best
         rank-``2Lk`` fit with ``init="svd"`` (optionally from per-expert Grams, see the class),
-        exact at full rank. The model's router keeps calling it unchanged:
+        exact at full rank; ``sizes`` sets a projection's own ``(num_terms, low_rank)``. The
+        model's router keeps calling it unchanged:
         ``block.experts = SKExperts.from_experts(block.experts, L, k)``."""
-        return cls(experts, num_terms, low_rank, init=init, seed=seed, gram=gram, fit=fit, implementation=implementation)
+        return cls(
+            experts, num_terms, low_rank, init=init, seed=seed, gram=gram, fit=fit, implementation=implementation,
+            sizes=sizes,
+        )
 
     @property
     def implementation(self) -> Optional[str]:
@@ -247,17 +252,11 @@ class SKExperts(nn.Module):
     def activate(self, hidden: Tensor) -> Tensor:
         """The dense module's gate (``_apply_gate``, e.g. ``act(gate) * up``) or, without a
         gate projection, its activation: ``(S, out_up) -> (S, inter)``."""
-        if self._projection_names[0] != "gate_up_proj":
-            return self.shell.act_fn(hidden)
-        apply_gate = getattr(self.shell, "_apply_gate", None)
-        if apply_gate is not None:
-            return apply_gate(hidden)
-        gate, up = hidden.chunk(2, dim=-1)
-        return self.shell.act_fn(gate) * up
+        return expert_activation(self.shell, hidden)
 
     def finish(self, hidden: Tensor) -> Tensor:
         """The dense module's post-expert norm, where it has one."""
-        return self.shell.post_expert_norm(hidden) if getattr(self.shell, "has_post_expert_norm", False) else hidden
+        return expert_finish(self.shell, hidden)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         self._check_routing(hidden_states, top_k_index, top_k_weights)
@@ -291,7 +290,7 @@ class SKExperts(nn.Module):
     def to_dense(self) -> nn.Module:
         """The dense experts module (its original class, sharing its ``config``) computing
         the same function, with the effective weights (and biases) as parameters."""
-        dense = _copy_sharing_config(self.shell)
+        dense = copy_sharing_config(self.shell)
         for name, projection in zip(self._projection_names, self.projections()):
             dense.register_parameter(name, nn.Parameter(projection.effective_weight().clone()))
             if projection.bias is not None:
@@ -304,11 +303,17 @@ class SKExperts(nn.Module):
         counts = [projection.parameter_counts() for projection in self.projections()]
         return SketchSize(sum(c.trainable for c in counts), sum(c.stored for c in counts))
 
+    @property
+    def sizes(self) -> Dict[str, Tuple[int, int]]:
+        """``(num_terms, low_rank)`` of each projection, by name."""
+        return {name: (p.num_terms, p.low_rank) for name, p in zip(self._projection_names, self.projections())}
+
     def extra_repr(self) -> str:
-        first = self.projections()[0]
+        first, *_ = sizes = set(self.sizes.values())
+        size = f"num_terms={first[0]}, low_rank={first[1]}" if len(sizes) == 1 else f"sizes={self.sizes}"
         return (
             f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}, "
-            f"num_terms={first.num_terms}, low_rank={first.low_rank}, implementation={self._implementation!r}"
+            f"{size}, implementation={self._implementation!r}"
         )
 
 
@@ -338,15 +343,3 @@ def _sketch_projection(
         with torch.no_grad():
             layer.bias.copy_(bias)
     return layer
-
-
-def _place_shell(shell: nn.Module, device: torch.device, dtype: Optional[torch.dtype]) -> None:
-    """Move the shell's own tensors (e.g. a post-expert norm) to the factors' device (and dtype)."""
-    tensors = list(shell.parameters()) + list(shell.buffers())
-    if not tensors:
-        return
-    if any(t.is_meta for t in tensors) and device.type != "meta":
-        raise ValueError(
-            "the experts module's other parameters (e.g. post_expert_norm) are on the meta device: materialise them"
-        )
-    shell.to(device=device, dtype=dtype)

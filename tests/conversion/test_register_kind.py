@@ -114,7 +114,7 @@ def test_configs_name_the_kind_and_rebuild_it_in_a_fresh_model(example, frozen):
 
 def test_without_its_kind_the_layer_is_no_candidate(example):
     unregister_kind("TransposedLinear")
-    with pytest.raises(ValueError, match=r"no Linear/Conv1D/Conv1d/Conv2d/Conv3d module matched"):
+    with pytest.raises(ValueError, match=r"no Linear/Conv1D/Conv1d/Conv2d/Conv3d/Experts module matched"):
         panther_lite.convert(_model(example), param_ratio=0.5, progress=False)
 
 
@@ -147,7 +147,8 @@ class SKPlainLinear(SKLinear):
 def test_a_later_kind_for_a_linear_subclass_wins_over_the_built_in_one():
     model, x = nn.Sequential(PlainLinear(32, 64), nn.ReLU(), nn.Linear(64, 32)), torch.randn(64, 32)
     before = panther_lite.convert(nn.Sequential(*model), param_ratio=0.5, calibration_data=[x], progress=False)
-    assert before["status"][0] == "skipped" and "overrides Linear.forward" in before["reason"][0]
+    assert before["kind"][0] == "Linear" and before["status"][0] == "converted"  # the built-in kind verified it
+    assert before["reason"][0].startswith("verified linear: PlainLinear.forward")
     panther_lite.register_kind(LinearKind("PlainLinear", PlainLinear, built_type=SKPlainLinear, overridden=()))
     try:
         report = panther_lite.convert(model, param_ratio=0.5, calibration_data=[x], progress=False)

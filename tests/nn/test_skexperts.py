@@ -239,3 +239,69 @@ def test_bad_routing_names_the_argument(implementation, moe):
     for args, error, match in cases:
         with pytest.raises(error, match=match):
             sketched(*args)
+
+
+def test_sizes_give_each_projection_its_own_rank(moe):
+    dense = moe.dense_experts("mixtral", dtype=torch.float64)
+    sketched = SKExperts.from_experts(dense, 1, 2, sizes={"down_proj": (2, 3)})
+    assert sketched.sizes == {"gate_up_proj": (1, 2), "down_proj": (2, 3)}
+    assert sketched.down_proj.S1.shape == (moe.EXPERTS, moe.INTER, 6) and sketched.gate_up_proj.S1.shape[-1] == 2
+    assert "sizes={'gate_up_proj': (1, 2), 'down_proj': (2, 3)}" in repr(sketched)
+    for name, rank in (("gate_up_proj", 4), ("down_proj", 12)):
+        effective, original = sketched.effective_weights()[name], getattr(dense, name)
+        for e in range(moe.EXPERTS):
+            optimal = torch.linalg.svdvals(original[e])[rank:].square().sum().sqrt()
+            torch.testing.assert_close((effective[e] - original[e]).norm(), optimal, rtol=1e-9, atol=1e-12)
+    for sizes, match in (({"up": (1, 1)}, "sizes must map projection names"), ({"down_proj": (1,)}, "pair"),
+                         ({"down_proj": (0, 2)}, "num_terms")):
+        with pytest.raises(ValueError, match=match):
+            SKExperts(dense, 1, 2, sizes=sizes)
+
+
+class _NormedExperts(nn.Module):
+    """A transformers-style experts module with a post-expert norm and a weight of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(3, 10, 6))
+        self.down_proj = nn.Parameter(torch.randn(3, 6, 5))
+        self.act_fn = nn.SiLU()
+        self.post_expert_norm = nn.LayerNorm(6)
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+        self.has_post_expert_norm = True
+
+    def _apply_gate(self, hidden):
+        gate, up = hidden.chunk(2, dim=-1)
+        return self.act_fn(gate) * up * self.temperature
+
+
+def test_the_shell_is_no_child_but_what_it_owns_is_registered_and_follows_moves():
+    dense = _NormedExperts()
+    with torch.no_grad():
+        dense.post_expert_norm.weight.uniform_(0.5, 2.0)
+    sketched = SKExperts.from_experts(dense, 2, 3, implementation="eager")
+    assert all(type(child) is not _NormedExperts for child in sketched.modules())
+    assert {"post_expert_norm.weight", "post_expert_norm.bias", "temperature"} <= set(sketched.state_dict())
+    assert sketched.shell.post_expert_norm is sketched.post_expert_norm and sketched.shell.temperature is sketched.temperature
+    hidden = torch.randn(7, 6)
+    index = torch.randint(0, 3, (7, 2))
+    weights = torch.rand(7, 2)
+    with torch.no_grad():
+        reference = sketched(hidden, index, weights)
+        by_token = torch.stack([
+            sum(weights[t, k] * dense.post_expert_norm(dense._apply_gate(dense.gate_up_proj[e] @ hidden[t]) @ dense.down_proj[e].t())
+                for k, e in enumerate(index[t].tolist()))
+            for t in range(7)
+        ])
+        torch.testing.assert_close(reference, by_token, rtol=1e-4, atol=1e-5)  # 2Lk = 12: every expert exact
+        doubled = sketched.double()
+        torch.testing.assert_close(doubled(hidden.double(), index, weights.double()), reference.double(), rtol=1e-5, atol=1e-6)
+    assert doubled.shell.temperature.dtype == torch.float64 and doubled.shell.post_expert_norm.weight.dtype == torch.float64
+    with torch.device("meta"):
+        meta = _NormedExperts()
+    placeholder = SKExperts(meta, 2, 3, device="meta", implementation="eager")
+    loaded = placeholder.to_empty(device="cpu")
+    loaded.load_state_dict(sketched.float().state_dict())
+    assert loaded.shell.temperature is loaded.temperature and not loaded.shell.temperature.is_meta
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(hidden, index, weights), reference)

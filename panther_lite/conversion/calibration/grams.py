@@ -53,6 +53,10 @@ class GramRecorder:
         for rows, rows_per_cluster in self.record.kind.input_rows(module, x):
             self._add(rows, rows_per_cluster)
 
+    def statistics(self) -> List[Tensor]:
+        """The accumulated statistics, checked finite after each calibration batch."""
+        return [self.gram]
+
     def finite_gram(self) -> Optional[Tensor]:
         """The Gram, or None when no batch reached the layer; ValueError naming the layer
         when the inputs held inf/NaN."""
@@ -139,7 +143,7 @@ class Calibration:
     input share one), and ``replay``, a callable running the model once on the first batch
     (or the user's callable)."""
 
-    recorders: Dict[str, GramRecorder]
+    recorders: Dict[str, GramRecorder]  # or a kind's own recorder (LayerKind.recorder)
     replay: Optional[ModelRun]
 
     def release(self, name: str) -> None:
@@ -161,7 +165,7 @@ def _record(model: nn.Module, groups: List[List[LayerRecord]], calibration_data,
     handles = []
     try:
         for group in groups:
-            leader = GramRecorder(group[0], device)
+            leader = group[0].kind.recorder(group[0], device)
             handles.append(group[0].module.register_forward_pre_hook(leader, with_kwargs=True))
             members = [_SameInput(leader) for _ in group[1:]]
             handles += [r.module.register_forward_pre_hook(m, with_kwargs=True) for r, m in zip(group[1:], members)]
@@ -176,7 +180,7 @@ def _record(model: nn.Module, groups: List[List[LayerRecord]], calibration_data,
                 for index, batch in enumerate(_recording_first(batches, first)):
                     run_batch(model, batch, index)
                     for leader in leaders:  # in call order: the first layer the bad inputs reached
-                        check_finite_inputs(leader.record.name, index, [leader.gram])
+                        check_finite_inputs(leader.record.name, index, leader.statistics())
     finally:
         for handle in handles:
             handle.remove()

@@ -97,7 +97,7 @@ def note_few_rows(record: LayerRecord, moments: RowMoments, intensity: float) ->
     """Say in ``record.reason`` (the report) when the layer saw fewer calibration rows than
     it has inputs, and how much its statistics were shrunk for it."""
     if 0 < moments.rows < record.fan_in:
-        record.reason = (
+        record.note(
             f"calibrated on {moments.rows} rows, fewer than its {record.fan_in} inputs: "
             f"correlations shrunk by {intensity:.2f} towards the diagonal"
         )

@@ -15,7 +15,6 @@ import torch.nn as nn
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from ...nn.low_rank_fit import relative_error
 from ..calibration.batches import run_batch
 from ..config import RefineConfig
 from ..records import LayerRecord
@@ -122,6 +121,5 @@ class BlockRefiner:
         if result.error_after < result.error_before:
             for record in fitted.records:
                 fit = fitted.fits[record.name]
-                weight = record.weight_matrix().detach()
-                fit.weight_error = relative_error(fit.module.effective_weight().detach().reshape_as(weight), weight)
+                record.kind.refresh_weight_error(record, fit)
                 fit.init = f"{fit.init}+refined"

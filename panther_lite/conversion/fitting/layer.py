@@ -3,8 +3,8 @@ calibration, its input Gram; measure how far it is from the dense layer."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
 
 import torch.nn as nn
 from torch import Tensor
@@ -15,7 +15,9 @@ from ..records import LayerRecord
 
 @dataclass
 class FitResult:
-    """A fitted replacement and the report's figures for it."""
+    """A fitted replacement and the report's figures for it. A layer of several weight stacks
+    (a mixture-of-experts module) has a FitResult per part in ``parts`` (by part name, with
+    ``module`` the whole layer), each with its own report columns in ``extra``."""
 
     module: nn.Module
     init: str
@@ -23,12 +25,13 @@ class FitResult:
     stored_params: int
     weight_error: float
     output_error: float
+    parts: Dict[str, "FitResult"] = field(default_factory=dict)
+    extra: Dict[str, object] = field(default_factory=dict)
 
 
-def output_error(weight: Tensor, approx: Tensor, gram: Tensor) -> float:
-    """``‖X(W−Ŵ)ᵀ‖_F / ‖XWᵀ‖_F`` from the Gram ``G = XᵀX``:
-    ``sqrt(trace((W−Ŵ) G (W−Ŵ)ᵀ) / trace(W G Wᵀ))``, with W, Ŵ as (fan_out, fan_in), summed a
-    few rows at a time in the Gram's dtype (no full float64 copy of a large weight)."""
+def output_error_terms(weight: Tensor, approx: Tensor, gram: Tensor) -> Tuple[float, float]:
+    """``(trace((W−Ŵ) G (W−Ŵ)ᵀ), trace(W G Wᵀ))``, with W, Ŵ as (fan_out, fan_in), summed a few
+    rows at a time in the Gram's dtype (no full float64 copy of a large weight)."""
     weight = weight.detach().reshape(weight.shape[0], -1)
     approx = approx.detach().reshape_as(weight)
     numerator = denominator = gram.new_zeros(())
@@ -37,9 +40,18 @@ def output_error(weight: Tensor, approx: Tensor, gram: Tensor) -> float:
         diff = w - approx[rows].to(gram)
         numerator = numerator + ((diff @ gram) * diff).sum()
         denominator = denominator + ((w @ gram) * w).sum()
-    if denominator <= 0:
-        return math.nan
-    return math.sqrt(max(float(numerator / denominator), 0.0))
+    return float(numerator), float(denominator)
+
+
+def error_ratio(numerator: float, denominator: float) -> float:
+    """``sqrt(numerator / denominator)`` (NaN when the denominator is not positive)."""
+    return math.sqrt(max(numerator / denominator, 0.0)) if denominator > 0 else math.nan
+
+
+def output_error(weight: Tensor, approx: Tensor, gram: Tensor) -> float:
+    """``‖X(W−Ŵ)ᵀ‖_F / ‖XWᵀ‖_F`` from the Gram ``G = XᵀX``:
+    ``sqrt(trace((W−Ŵ) G (W−Ŵ)ᵀ) / trace(W G Wᵀ))`` (:func:`output_error_terms`)."""
+    return error_ratio(*output_error_terms(weight, approx, gram))
 
 
 def fit_layer(
@@ -49,6 +61,7 @@ def fit_layer(
     seed: Optional[int],
     fit: str = "auto",
     fit_gram: Optional[Tensor] = None,
+    whiten: bool = True,
 ) -> FitResult:
     """The sketched layer of ``record``'s planned size. ``init="svd"`` with a ``gram`` fits
     the outputs on the calibration data (``"calibrated"`` in the report), whitened by
@@ -56,10 +69,11 @@ def fit_layer(
     :mod:`~panther_lite.conversion.calibration.shrinkage`); ``output_error`` is
     measured on ``gram`` itself, which is all it feeds for ``init="sketch"``. ``fit`` picks
     the decomposition (``"auto"``, ``"exact"`` or ``"randomized"``, see
-    :mod:`panther_lite.nn.low_rank_fit`)."""
+    :mod:`panther_lite.nn.low_rank_fit`). ``whiten=False`` fits the weight alone (data-free)
+    while ``gram`` still measures the output error."""
     if fit_gram is None:
         fit_gram = gram
-    fit_gram = fit_gram if init == "svd" and gram is not None else None
+    fit_gram = fit_gram if init == "svd" and gram is not None and whiten else None
     new = record.kind.build(
         record.module, record.num_terms, record.low_rank, init=init, seed=seed, gram=fit_gram, fit=fit
     )

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 
 import torch.nn as nn
 
-from ..calibration.grams import Calibration
+from ..calibration.grams import Calibration, GramRecorder
 from ..calibration.shrinkage import note_few_rows, shrinkage_intensity
 from ..config import ConvertConfig
 from ..records import LayerRecord
@@ -18,29 +18,46 @@ from .sequential import fit_sequentially
 
 
 def warn_uncalibrated(record: LayerRecord) -> None:
-    record.reason = "calibration data never reached this layer; fitted to the weight alone"
+    record.note("calibration data never reached this layer; fitted to the weight alone")
     warnings.warn(
         f"convert: calibration data never reached {record.name!r}; fitted to its weight alone", UserWarning, stacklevel=5
     )
+
+
+def fit_from_gram(
+    record: LayerRecord, recorder: Optional[GramRecorder], init: str, seed: Optional[int], fit: str
+) -> FitResult:
+    """The fit of a one-matrix layer from its Gram recorder (None: from its weight alone; a
+    recorder no batch reached: the same, with a warning), its statistics shrunk as their rows
+    warrant (the report says so when they are fewer than the layer's inputs). A routed expert
+    that received fewer rows than it has inputs is fitted to its weight alone (data-free)."""
+    gram = None if recorder is None else recorder.finite_gram()
+    if recorder is not None and gram is None:
+        warn_uncalibrated(record)
+    if gram is not None and record.routed and recorder.rows < record.fan_in:
+        record.note(
+            f"routed expert: received {recorder.rows} calibration rows, fewer than its {record.fan_in} inputs: "
+            "fitted to its weight alone (data-free)"
+        )
+        return fit_layer(record, init, gram, seed, fit, whiten=False)
+    fit_gram = None if gram is None else recorder.fit_gram()
+    if fit_gram is not None:
+        note_few_rows(record, recorder.moments, shrinkage_intensity(gram, recorder.moments))
+    return fit_layer(record, init, gram, seed, fit, fit_gram)
 
 
 def fit_all(
     todo: List[LayerRecord], config: ConvertConfig, calibration: Optional[Calibration], first_index: int = 0,
     progress: Optional[bool] = False,
 ) -> Dict[str, FitResult]:
-    """Fit every planned layer from its Gram (layer ``i`` of ``todo`` is layer ``first_index + i``
-    of the plan, for its seed), releasing each Gram as soon as the last layer using it is fitted."""
+    """Fit every planned layer from its statistics, as its kind does (layer ``i`` of ``todo`` is
+    layer ``first_index + i`` of the plan, for its seed), releasing each Gram as soon as the last
+    layer using it is fitted."""
     fits = {}
     for index, record in enumerate(progress_bar(todo, "converting", "layer", progress)):
         recorder = None if calibration is None else calibration.recorders.get(record.name)
-        gram = None if recorder is None else recorder.finite_gram()
-        if recorder is not None and gram is None:
-            warn_uncalibrated(record)
-        fit_gram = None if gram is None else recorder.fit_gram()
-        if fit_gram is not None:
-            note_few_rows(record, recorder.moments, shrinkage_intensity(gram, recorder.moments))
         seed = layer_seed(config.seed, first_index + index)
-        fits[record.name] = fit_layer(record, config.init, gram, seed, config.fit, fit_gram)
+        fits[record.name] = record.kind.fit(record, recorder, config.init, seed, config.fit)
         if calibration is not None:
             calibration.release(record.name)
     return fits
@@ -72,5 +89,5 @@ def fit_planned(
     for record in unreached:
         warn_uncalibrated(record)
         seed = layer_seed(config.seed, first_index + todo.index(record))
-        fits[record.name] = fit_layer(record, "svd", None, seed, config.fit)
+        fits[record.name] = record.kind.fit(record, None, "svd", seed, config.fit)
     return fits

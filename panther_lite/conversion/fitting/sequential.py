@@ -236,9 +236,34 @@ class _Run:
     prefitted: Dict[str, nn.Module]
 
 
+def _fit_on_current_inputs(model: nn.Module, record: LayerRecord, fits: Dict[str, FitResult], run: _Run) -> FitResult:
+    """A layer whose kind cannot be regressed on the original outputs (several weight matrices,
+    :attr:`~panther_lite.conversion.kinds.LayerKind.sequential_regression`): its own statistics
+    recorded on the inputs the partly converted model gives it, then its kind's fit."""
+    recorder = record.kind.recorder(record, run.device)
+    stop = _StopAfterGroup([record], run.calls)
+    handles = [record.module.register_forward_pre_hook(recorder, with_kwargs=True)]
+    handles.append(record.module.register_forward_hook(stop.hook(record)))
+    log = swap_modules(model, list({**run.prefitted, **{name: fit.module for name, fit in fits.items()}}.items()))
+    try:
+        with evaluation_run(model):
+            for index, batch in enumerate(run.batches if run.converted_batches is None else run.converted_batches):
+                stop.run(model, batch, index)
+                check_finite_inputs(record.name, index, recorder.statistics())
+    finally:
+        undo_swaps(log)
+        for handle in handles:
+            handle.remove()
+        recorder.last_input = None
+    return record.kind.fit(record, recorder, "svd", run.seeds[record.name], run.fit)
+
+
 def _fit_group(model: nn.Module, group: List[LayerRecord], fits: Dict[str, FitResult], run: _Run) -> None:
     """Record one group's statistics, fit its layers into ``fits``, and free the statistics;
     a group whose members turn out not to share their inputs is fitted layer by layer."""
+    if not group[0].kind.sequential_regression:  # such kinds read their own rows: never grouped
+        fits[group[0].name] = _fit_on_current_inputs(model, group[0], fits, run)
+        return
     stats = _GroupStatistics(group, run.device)
     fitted = {**run.prefitted, **{name: fit.module for name, fit in fits.items()}}
     _record_group(model, stats, run.batches, fitted, run.calls, run.converted_batches)

@@ -9,11 +9,18 @@ serves any layer computing ``x·Wᵀ + b`` (override :meth:`LayerKind.weight_mat
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from torch import Tensor
+
+from ...nn.low_rank_fit import relative_error
+from ...nn.validation import check_sketch_rank
+
+if TYPE_CHECKING:
+    from ..fitting.layer import FitResult
+    from ..records import LayerRecord
 
 __all__ = ["LayerKind", "layer_input", "balanced_pair", "pair_bias"]
 
@@ -105,6 +112,11 @@ class LayerKind:
                 )
         return None
 
+    def behaviour_note(self, module: nn.Module) -> str:
+        """What the report says of a module that converts although its class changes the dense
+        class's behaviour (a verified override), else ``""``."""
+        return ""
+
     def unsupported(self, module: nn.Module) -> Optional[str]:
         """Why the sketched layer cannot stand for this module (an option it lacks), or None."""
         return None
@@ -131,11 +143,15 @@ class LayerKind:
         and its name for errors."""
         return -1, self.weight_matrix(module).shape[1], "last dimension (features)"
 
+    def call_input(self, args: tuple, kwargs: dict) -> Tensor:
+        """The input tensor of a call (a forward pre-hook's ``args``/``kwargs``): :func:`layer_input`."""
+        return layer_input(args, kwargs)
+
     def read_input(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
         """The input of one call of layer ``name`` (a forward pre-hook's ``args``/``kwargs``);
         ValueError naming the layer when its shape does not fit the layer, or its dtype is
         not the weight's (outside autocast, where the layer itself would fail)."""
-        x = layer_input(args, kwargs)
+        x = self.call_input(args, kwargs)
         dim, expected, what = self.input_dimension(module)
         if x.dim() < -dim or x.shape[dim] != expected:
             raise ValueError(
@@ -206,3 +222,64 @@ class LayerKind:
     def dense_shape(self, layer: nn.Module) -> List[int]:
         """The dense weight's shape, in the dense layer's own layout, of a sketched or frozen layer."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ records, statistics, fits
+    # A kind holding one weight matrix keeps these defaults; one holding several (mixture-of-
+    # experts weights) gives records with one part per matrix stack and its own statistics.
+
+    #: Whether ``sequential=True`` regresses the layer on the original outputs (one weight
+    #: matrix); a kind that cannot is calibrated on the inputs the partly converted model gives it.
+    sequential_regression = True
+
+    def record(self, name: str, module: nn.Module) -> "LayerRecord":
+        """The conversion record of candidate ``module`` named ``name``."""
+        from ..records import LayerRecord
+
+        return LayerRecord(name, module, self)
+
+    def recorder(self, record: "LayerRecord", device: Optional[torch.device]):
+        """The forward pre-hook (``with_kwargs=True``) accumulating the layer's calibration
+        statistics on ``device``: a :class:`~panther_lite.conversion.calibration.grams.GramRecorder`
+        (the input Gram) here. It has ``record``, ``rows`` (0: no batch reached the layer),
+        ``last_input`` and ``statistics()`` (the tensors checked finite after each batch)."""
+        from ..calibration.grams import GramRecorder
+
+        return GramRecorder(record, device)
+
+    def energies(self, record: "LayerRecord", recorder) -> Dict[str, Tensor]:
+        """``{part name: squared singular values}`` of each part's whitened weight (the global
+        allocation's spectra, :func:`~panther_lite.conversion.planning.allocation.whitened_energy`)
+        from ``recorder`` (None, or no rows: the weight's own spectrum)."""
+        from ..planning.allocation import whitened_energy
+
+        gram = None if recorder is None else recorder.fit_gram()
+        return {record.name: whitened_energy(record.weight_matrix(), gram)}
+
+    def fit(self, record: "LayerRecord", recorder, init: str, seed: Optional[int], fit: str) -> "FitResult":
+        """The fitted sketched layer of ``record`` at its planned size from its ``recorder``
+        (None: from the weight alone), with the report's figures."""
+        from ..fitting.planned import fit_from_gram
+
+        return fit_from_gram(record, recorder, init, seed, fit)
+
+    def refresh_weight_error(self, record: "LayerRecord", fit: "FitResult") -> None:
+        """Measure ``fit``'s ``weight_error`` ``‖Ŵ − W‖_F / ‖W‖_F`` again against ``record``'s
+        dense weight (its sketched layer was trained further)."""
+        weight = record.weight_matrix().detach()
+        fit.weight_error = relative_error(fit.module.effective_weight().detach().reshape_as(weight), weight)
+
+    # ------------------------------------------------------------------ conversion configs
+    def config_entry(self, layer: nn.Module, frozen: bool) -> dict:
+        """The conversion config's fields of a sketched (or frozen) ``layer`` of this kind, but its name."""
+        bias = layer.has_bias if frozen else layer.bias is not None
+        return dict(
+            kind=self.sketched_type.__name__, dense=self.name, shape=self.dense_shape(layer),
+            num_terms=layer.num_terms, low_rank=layer.low_rank, bias=bias,
+        )
+
+    def check_entry(self, module: nn.Module, entry: dict, name: str) -> dict:
+        """ValueError naming layer ``name`` when the config ``entry``'s sizes do not fit the dense
+        ``module``; returns the extra keyword arguments :meth:`build` and :meth:`build_placeholder` take."""
+        fan_out, fan_in = self.weight_matrix(module).shape
+        check_sketch_rank(entry["num_terms"], entry["low_rank"], fan_in, fan_out, layer=name)
+        return {}

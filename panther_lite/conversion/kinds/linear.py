@@ -12,6 +12,7 @@ from torch import Tensor
 from ...nn import SKLinear
 from ...nn.factor_cache import concatenate_factors
 from .base import LayerKind, balanced_pair, pair_bias
+from .verified import linear_forward_problem
 
 __all__ = ["FrozenLinear", "LinearKind", "LINEAR", "cluster_size"]
 
@@ -89,6 +90,31 @@ class LinearKind(LayerKind):
 
     def weight_matrix(self, module: nn.Module) -> Tensor:
         return self.weight(module)
+
+    def custom_behaviour(self, module: nn.Module) -> Optional[str]:
+        """As :meth:`LayerKind.custom_behaviour`, except that a subclass overriding only
+        ``forward`` converts when that forward is verified to compute ``x·Wᵀ + b`` on probe
+        inputs (:func:`~panther_lite.conversion.kinds.verified.linear_forward_problem`)."""
+        reason = super().custom_behaviour(module)
+        if reason is None or not self._overrides_forward_only(module):
+            return reason
+        problem = linear_forward_problem(module, self)
+        if problem is None:
+            return None
+        return (
+            f"{reason}: {problem}; if it is a linear map stored another way, register a LayerKind for it "
+            "(panther_lite.register_kind)"
+        )
+
+    def behaviour_note(self, module: nn.Module) -> str:
+        if self._overrides_forward_only(module) and type(module).forward is not self.base(type(module)).forward:
+            return f"verified linear: {type(module).__name__}.forward computes x·Wᵀ + b on probe inputs"
+        return ""
+
+    def _overrides_forward_only(self, module: nn.Module) -> bool:
+        base = self.base(type(module))
+        others = [method for method in self.overridden if method != "forward"]
+        return base is not None and all(getattr(type(module), m) is getattr(base, m) for m in others)
 
     def as_linear(self, module: nn.Module) -> nn.Module:
         """The ``nn.Linear`` the sketched class's ``from_linear`` fits (a view: no copy)."""

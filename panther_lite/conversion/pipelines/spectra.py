@@ -18,7 +18,6 @@ import torch.nn as nn
 from ..calibration.batches import CalibrationData
 from ..calibration.grams import collect_grams
 from ..config import ConvertConfig
-from ..planning.allocation import whitened_energy
 from ..planning.global_plan import plan_global
 from ..planning.sensitivity import output_gains
 from ..planning.sizes import PlanNote, rank_multiple_for
@@ -37,7 +36,7 @@ def _spectra(model: nn.Module, pooled: List[LayerRecord], data: CalibrationData,
     energies = {}
     for record in pooled:
         recorder = calibration.recorders.get(record.name)
-        energies[record.name] = whitened_energy(record.weight_matrix(), None if recorder is None else recorder.fit_gram())
+        energies.update(record.kind.energies(record, recorder))
         calibration.release(record.name)
     return energies, output_gains(model, pooled, calibration.replay)
 

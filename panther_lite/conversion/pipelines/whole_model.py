@@ -37,11 +37,11 @@ class WholeModel:
         calibration = self.calibration
         if pooled:
             recorders = {} if calibration is None else calibration.recorders
-            grams = {r.name: None if calibration is None else recorders[r.name].fit_gram() for r in pooled}
+            energies = {name: energy for r in pooled for name, energy in r.kind.energies(r, recorders.get(r.name)).items()}
             replay = None if calibration is None else calibration.replay
             gains = {} if replay is None else output_gains(model, pooled, replay)
             sizes, multiple_of = config.sizes, rank_multiple_for(config.align)
-            notes.update(plan_global(pooled, sizes.default, sizes.ratio_terms, multiple_of, grams, gains))
+            notes.update(plan_global(pooled, sizes.default, sizes.ratio_terms, multiple_of, {}, gains, energies))
         if calibration is not None:
             for record in candidates:
                 if config.sequential or not record.to_convert:

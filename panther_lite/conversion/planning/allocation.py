@@ -36,7 +36,9 @@ from torch import Tensor
 
 from ...nn.rank_selection import dense_size, sketch_size
 
-__all__ = ["LayerSpectrum", "Allocation", "BudgetTooSmall", "allocate_budget", "minimum_stored", "whitened_energy"]
+__all__ = [
+    "LayerSpectrum", "Allocation", "BudgetTooSmall", "allocate_budget", "minimum_stored", "largest_sketch", "whitened_energy",
+]
 
 _BUDGET_STEPS = 4096
 
@@ -87,6 +89,11 @@ class LayerSpectrum:
     order, any length up to ``min(fan_in, fan_out)``); ``importance``: the weight ``w_l``;
     ``multiple``: ``low_rank`` is a multiple of it (tensor-core alignment), except where even
     ``low_rank = multiple`` would not beat dense (then steps of 1).
+
+    A stack of ``copies`` matrices of one shape sized together (a mixture-of-experts
+    projection: one per expert, sharing one rank) has ``energy`` ``(copies, n)``, one spectrum
+    per matrix: its error at rank ``r`` is ``w_l·Σ_c Σ_{i>r} σ_ci² / Σ_c Σ_i σ_ci²`` and it stores
+    ``copies`` times one matrix's entries.
     """
 
     fan_in: int
@@ -95,6 +102,7 @@ class LayerSpectrum:
     energy: Tensor
     importance: float = 1.0
     multiple: int = 1
+    copies: int = 1
 
 
 @dataclass(frozen=True)
@@ -118,11 +126,13 @@ class _Menu:
 
 
 def _menu(layer: LayerSpectrum, num_terms: int) -> _Menu:
-    dense = dense_size(layer.fan_in, layer.fan_out, layer.bias)
-    energy = layer.energy.detach().double().flatten().clamp_min(0).sort(descending=True).values
+    dense = layer.copies * dense_size(layer.fan_in, layer.fan_out, layer.bias)
+    energy = layer.energy.detach().double()
+    energy = energy.reshape(-1, energy.shape[-1]).clamp_min(0).sort(dim=-1, descending=True).values  # (copies, n)
     total = float(energy.sum())
-    # remaining[r] = Σ_{i>=r} σ_i², so a rank-r fit leaves remaining[r].
-    remaining = torch.cat([energy.flip(0).cumsum(0).flip(0), energy.new_zeros(1)]).tolist()
+    # remaining[r] = Σ_c Σ_{i>=r} σ_ci², so rank-r fits leave remaining[r].
+    tails = torch.cat([energy.flip(-1).cumsum(-1).flip(-1), energy.new_zeros(energy.shape[0], 1)], dim=-1)
+    remaining = tails.sum(0).tolist()
 
     def error(rank: int) -> float:
         if total <= 0:
@@ -130,7 +140,7 @@ def _menu(layer: LayerSpectrum, num_terms: int) -> _Menu:
         return layer.importance * remaining[min(rank, len(remaining) - 1)] / total
 
     def fits(k: int) -> bool:
-        return sketch_size(layer.fan_in, layer.fan_out, num_terms, k, layer.bias).stored < dense
+        return layer.copies * sketch_size(layer.fan_in, layer.fan_out, num_terms, k, layer.bias).stored < dense
 
     step = layer.multiple if fits(layer.multiple) else 1
     ranks: List[Optional[int]] = []
@@ -140,9 +150,17 @@ def _menu(layer: LayerSpectrum, num_terms: int) -> _Menu:
         if 2 * num_terms * k >= len(remaining) - 1:
             break  # the fit is exact from here on: more rank only costs
         k += step
-    costs = [sketch_size(layer.fan_in, layer.fan_out, num_terms, k, layer.bias).stored for k in ranks]
+    costs = [layer.copies * sketch_size(layer.fan_in, layer.fan_out, num_terms, k, layer.bias).stored for k in ranks]
     errors = [error(2 * num_terms * k) for k in ranks]
     return _Menu(ranks + [None], costs + [dense], errors + [0.0])
+
+
+def largest_sketch(layer: LayerSpectrum, num_terms: int) -> Optional[Allocation]:
+    """The largest sketch of ``layer`` that stores fewer entries than dense (None: none does)."""
+    menu = _menu(layer, num_terms)
+    if len(menu.ranks) < 2:
+        return None
+    return Allocation(menu.ranks[-2], menu.costs[-2], menu.errors[-2])
 
 
 def minimum_stored(layers: Sequence[LayerSpectrum], *, num_terms: int = 1) -> int:

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ...nn import sketch_size
 from ..records import KEPT_DENSE, LayerRecord
-from .allocation import BudgetTooSmall, LayerSpectrum, allocate_budget, whitened_energy
+from .allocation import Allocation, BudgetTooSmall, LayerSpectrum, allocate_budget, largest_sketch, whitened_energy
 from .sizes import PlanNote, RankMultiple
 
 
@@ -32,36 +32,82 @@ def plan_global(
     non-finite under the sensitivity probe) are dropped with a warning naming the layers:
     the plan then weighs every layer alike (relative errors alone). ``energies[name]``, when
     given, is the layer's whitened spectrum already computed
-    (:func:`~panther_lite.conversion.planning.allocation.whitened_energy`), its Gram freed."""
+    (:func:`~panther_lite.conversion.planning.allocation.whitened_energy`), its Gram freed.
+
+    Each part of a record holding several weight stacks (a mixture-of-experts module) is sized
+    on its own, weighted by its record's gain; the module converts or stays dense whole, so
+    when the plan keeps only some of its parts dense, the whole module stays dense if the
+    budget left pays for it, else those parts get their largest sketch (:func:`_settle`).
+    Notes are by part name."""
     gains = _usable_gains(gains)
     energies = {} if energies is None else energies
-    budget = ratio * sum(record.dense_params for record in records)
+    parts = [(record, part) for record in records for part in record.parts]
+    budget = ratio * sum(part.dense_params for _, part in parts)
     spectra = [
         LayerSpectrum(
-            record.fan_in, record.fan_out, record.has_bias,
-            energies[record.name] if record.name in energies
-            else whitened_energy(record.weight_matrix(), grams.get(record.name)),
-            importance=gains.get(record.name, 1.0), multiple=multiple_of(record),
+            part.fan_in, part.fan_out, part.has_bias, _energy(record, part, grams, energies),
+            importance=gains.get(part.name, gains.get(record.name, 1.0)), multiple=multiple_of(part), copies=part.copies,
         )
-        for record in records
+        for record, part in parts
     ]
     try:
         plan = allocate_budget(spectra, budget, num_terms=num_terms)
     except BudgetTooSmall as error:
-        dense = sum(record.dense_params for record in records)
+        dense = sum(part.dense_params for _, part in parts)
         message = f"param_ratio={ratio:g} with allocation='global' is below {error.minimum / dense:.4g}: {error}"
         raise BudgetTooSmall(message, error.minimum, error.minimum / dense) from None
+    plan = _settle(parts, spectra, plan, budget, num_terms)
     notes = {}
-    for record, spectrum, allocation in zip(records, spectra, plan):
+    for (_, part), spectrum, allocation in zip(parts, spectra, plan):
         share = allocation.stored / budget
         if allocation.low_rank is None:
-            cheapest = sketch_size(record.fan_in, record.fan_out, num_terms, 1, record.has_bias).stored
-            record.skip(KEPT_DENSE, _dense_reason(record, cheapest, share))
+            cheapest = part.copies * sketch_size(part.fan_in, part.fan_out, num_terms, 1, part.has_bias).stored
+            if part.to_convert:
+                part.skip(KEPT_DENSE, _dense_reason(part, cheapest, share))
         else:
-            record.num_terms, record.low_rank = num_terms, allocation.low_rank
-        aligned = record.to_convert and allocation.low_rank % spectrum.multiple == 0
-        notes[record.name] = PlanNote(rank_multiple=spectrum.multiple if aligned else 1, budget_share=share)
+            part.num_terms, part.low_rank = num_terms, allocation.low_rank
+        aligned = part.to_convert and allocation.low_rank % spectrum.multiple == 0
+        notes[part.name] = PlanNote(rank_multiple=spectrum.multiple if aligned else 1, budget_share=share)
     return notes
+
+
+def _settle(parts, spectra: List[LayerSpectrum], plan: List[Allocation], budget: float, num_terms: int) -> List[Allocation]:
+    """``plan`` with every record of several parts wholly dense or wholly sketched: a record
+    whose plan keeps some of its parts dense becomes dense whole when the budget left pays for
+    it (or a dense part has no sketch), else its dense parts get their largest sketch (each
+    cheaper than dense)."""
+    plan = list(plan)
+    left = budget - sum(allocation.stored for allocation in plan)
+    by_record: Dict[int, List[int]] = {}
+    for index, (record, part) in enumerate(parts):
+        if part is not record:
+            by_record.setdefault(id(record), []).append(index)
+    for indices in by_record.values():
+        dense = [i for i in indices if plan[i].low_rank is None]
+        if not dense or len(dense) == len(indices):
+            continue
+        sketched = [i for i in indices if i not in dense]
+        extra = sum(parts[i][1].dense_params - plan[i].stored for i in sketched)
+        largest = {i: largest_sketch(spectra[i], num_terms) for i in dense}
+        if extra <= left or any(found is None for found in largest.values()):
+            for i in sketched:
+                plan[i] = Allocation(None, parts[i][1].dense_params, 0.0)
+            left -= extra
+        else:
+            for i, found in largest.items():
+                left += plan[i].stored - found.stored
+                plan[i] = found
+    return plan
+
+
+def _energy(record: LayerRecord, part: LayerRecord, grams: Dict[str, Optional[Tensor]], energies: Dict[str, Tensor]) -> Tensor:
+    """The part's whitened spectrum: given, else from its Gram in ``grams`` (a one-matrix layer)
+    or its kind's statistics-free spectra."""
+    if part.name in energies:
+        return energies[part.name]
+    if part is record:
+        return whitened_energy(record.weight_matrix(), grams.get(record.name))
+    return record.kind.energies(record, None)[part.name]
 
 
 def _usable_gains(gains: Dict[str, float]) -> Dict[str, float]:

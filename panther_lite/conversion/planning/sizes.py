@@ -11,7 +11,7 @@ spends one budget over all layers sized by the default ``param_ratio``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ...nn import select_config, sketch_size
 from ...nn.rank_selection import resolve_rank_multiple
@@ -40,7 +40,8 @@ def rank_multiple_for(align) -> RankMultiple:
 def choose_size(record: LayerRecord, spec: RankSpec, ratio_terms: int, multiple: int = 1) -> None:
     """Set ``record``'s (num_terms, low_rank), or mark it kept dense when nothing beats dense.
     A ratio gets the largest rank within it, rounded to ``multiple`` when that still fills
-    90% of it (:func:`~panther_lite.nn.select_config`)."""
+    90% of it (:func:`~panther_lite.nn.select_config`). ``record`` may be a part (its
+    ``copies`` matrices share the size)."""
     dense = record.dense_params
     if isinstance(spec, tuple):
         pair = spec
@@ -48,7 +49,7 @@ def choose_size(record: LayerRecord, spec: RankSpec, ratio_terms: int, multiple:
         pair = select_config(
             record.fan_in, record.fan_out, spec, num_terms=ratio_terms, bias=record.has_bias, multiple=multiple
         )
-    stored = None if pair is None else sketch_size(record.fan_in, record.fan_out, *pair, record.has_bias).stored
+    stored = None if pair is None else record.copies * sketch_size(record.fan_in, record.fan_out, *pair, record.has_bias).stored
     if pair is None or stored >= dense:
         if isinstance(spec, tuple):
             reason = (
@@ -68,22 +69,23 @@ def choose_size(record: LayerRecord, spec: RankSpec, ratio_terms: int, multiple:
 def plan_sizes(
     records: List[LayerRecord], request: SizeRequest, multiple_of: RankMultiple = lambda record: 1, pooled=()
 ) -> Dict[str, PlanNote]:
-    """Give every record still to convert, except those named in ``pooled`` (left to
-    :func:`plan_global`), its size from ``request`` (or keep it dense); ValueError when a
+    """Give every part of every record still to convert, except those named in ``pooled`` (left
+    to :func:`plan_global`), its size from ``request`` (or keep it dense); ValueError when a
     rank_pattern key matches no selected layer or a layer has no size."""
     used, uncovered, notes = set(), [], {}
     for record in records:
-        spec, key = request.spec_for(record.name)
-        used.add(key)
-        if not record.to_convert or record.name in pooled:
-            continue
-        if spec is None:
-            uncovered.append(record.name)
-            continue
-        multiple = multiple_of(record)
-        choose_size(record, spec, request.ratio_terms, multiple)
-        if record.to_convert and not isinstance(spec, tuple):
-            notes[record.name] = PlanNote(rank_multiple=multiple if record.low_rank % multiple == 0 else 1)
+        for part in record.parts:
+            spec, key = part_spec(request, record, part)
+            used.add(key)
+            if not part.to_convert or record.name in pooled:
+                continue
+            if spec is None:
+                uncovered.append(part.name)
+                continue
+            multiple = multiple_of(part)
+            choose_size(part, spec, request.ratio_terms, multiple)
+            if part.to_convert and not isinstance(spec, tuple):
+                notes[part.name] = PlanNote(rank_multiple=multiple if part.low_rank % multiple == 0 else 1)
     unused = [key for _, key, _ in request.patterns if key not in used]
     if unused:
         raise ValueError(
@@ -97,12 +99,25 @@ def plan_sizes(
     return notes
 
 
+def part_spec(request: SizeRequest, record: LayerRecord, part: LayerRecord) -> Tuple[Optional[RankSpec], Optional[str]]:
+    """``(spec, rank_pattern key or None)`` of one part of ``record``: a key naming the part
+    (``"down_proj"`` for a mixture-of-experts projection) wins over one naming its record."""
+    spec, key = request.spec_for(part.name)
+    if key is None and part is not record:
+        spec, key = request.spec_for(record.name)
+    return spec, key
+
+
 def pooled_records(records: List[LayerRecord], request: SizeRequest, allocation: str) -> List[LayerRecord]:
     """The records a global allocation sizes: those to convert that no rank_pattern key
-    names (their size is the default ``param_ratio``); none for ``"uniform"``."""
+    names, nor any of their parts (their size is the default ``param_ratio``); none for
+    ``"uniform"``."""
     if allocation == "uniform":
         return []
-    return [record for record in records if record.to_convert and request.spec_for(record.name)[1] is None]
+    return [
+        record for record in records
+        if record.to_convert and all(part_spec(request, record, part)[1] is None for part in record.parts)
+    ]
 
 
 def plan_uniform(records: List[LayerRecord], config: ConvertConfig) -> Tuple[Dict[str, PlanNote], List[LayerRecord]]:

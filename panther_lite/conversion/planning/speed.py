@@ -38,15 +38,15 @@ def keep_slower_layers_dense(records: List[LayerRecord], rows: Optional[int]) ->
     sketch would be slower than the dense layer at ``rows`` rows per call (None: no check)."""
     if rows is None:
         return
-    for record in records:
-        if not record.to_convert:
+    for part in [part for record in records for part in record.parts]:
+        if not part.to_convert:
             continue
-        device = record.device
-        dense = modelled_seconds(record.fan_in, record.fan_out, rows, device)
-        width = 2 * record.num_terms * record.low_rank
-        sketch = modelled_seconds(record.fan_in, record.fan_out, rows, device, width)
+        device = part.device
+        dense = modelled_seconds(part.fan_in, part.fan_out, rows, device)
+        width = 2 * part.num_terms * part.low_rank
+        sketch = modelled_seconds(part.fan_in, part.fan_out, rows, device, width)
         if sketch > dense:
-            record.skip(
+            part.skip(
                 KEPT_DENSE,
                 f"slower than dense at {rows:,} rows per call (modelled: {sketch * 1e6:.1f} µs sketched vs "
                 f"{dense * 1e6:.1f} µs dense; the saved FLOPs do not pay for a second GEMM call)",

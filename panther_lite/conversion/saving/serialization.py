@@ -9,7 +9,6 @@ from typing import List, Mapping, Tuple
 
 import torch.nn as nn
 
-from ...nn.validation import check_sketch_rank
 from ..kinds import LayerKind, converted_kind, default_kind_for, kind_named, registered_kinds
 from ..surgery import swap_modules
 
@@ -21,12 +20,8 @@ _ENTRY_FIELDS = ("name", "kind", "shape", "num_terms", "low_rank", "bias")
 
 def _entry(fqn: str, module: nn.Module, kind: LayerKind, frozen: bool) -> dict:
     """The config entry of a sketched layer, or of a frozen one (its sketched layer's, with
-    ``frozen: true``)."""
-    entry = dict(
-        name=fqn, kind=kind.sketched_type.__name__, dense=kind.name, shape=kind.dense_shape(module),
-        num_terms=module.num_terms, low_rank=module.low_rank,
-        bias=module.has_bias if frozen else module.bias is not None,
-    )
+    ``frozen: true``), written by its kind (:meth:`~panther_lite.conversion.kinds.LayerKind.config_entry`)."""
+    entry = dict(name=fqn, **kind.config_entry(module, frozen))
     return dict(entry, frozen=True) if frozen else entry
 
 
@@ -107,8 +102,9 @@ def _check_config(config) -> List[Tuple[Mapping, LayerKind]]:
     return entries
 
 
-def _target_module(model: nn.Module, entry: Mapping, kind: LayerKind) -> nn.Module:
-    """The dense module an entry replaces; ValueError when the model does not match."""
+def _target_module(model: nn.Module, entry: Mapping, kind: LayerKind) -> Tuple[nn.Module, dict]:
+    """The dense module an entry replaces and the extra options its kind builds it with;
+    ValueError when the model does not match."""
     fqn = entry["name"]
     if fqn == "":
         raise ValueError("the root module cannot be replaced in place")
@@ -124,9 +120,7 @@ def _target_module(model: nn.Module, entry: Mapping, kind: LayerKind) -> nn.Modu
             f"layer {fqn!r} has weight shape {shape} and bias={bias}, "
             f"the config expects {list(entry['shape'])} and bias={entry['bias']}"
         )
-    fan_out, fan_in = kind.weight_matrix(module).shape
-    check_sketch_rank(entry["num_terms"], entry["low_rank"], fan_in, fan_out, layer=fqn)
-    return module
+    return module, kind.check_entry(module, entry, fqn)
 
 
 def apply_conversion_config(model: nn.Module, config: Mapping) -> nn.Module:
@@ -147,17 +141,17 @@ def apply_conversion_config(model: nn.Module, config: Mapping) -> nn.Module:
     Returns ``model``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    targets = [(entry, kind, _target_module(model, entry, kind)) for entry, kind in _check_config(config)]
+    targets = [(entry, kind, *_target_module(model, entry, kind)) for entry, kind in _check_config(config)]
     with warnings.catch_warnings():  # the real build below warns (a sketch larger than dense) once
         warnings.simplefilter("ignore", UserWarning)
-        for entry, kind, module in targets:  # constructor errors first, without allocating
-            kind.build_placeholder(module, entry["num_terms"], entry["low_rank"], device="meta")
+        for entry, kind, module, options in targets:  # constructor errors first, without allocating
+            kind.build_placeholder(module, entry["num_terms"], entry["low_rank"], device="meta", **options)
     replacements = []
-    for entry, kind, module in targets:
-        if module.weight.is_meta:
-            new = kind.build_placeholder(module, entry["num_terms"], entry["low_rank"])
+    for entry, kind, module, options in targets:
+        if kind.weight(module).is_meta:
+            new = kind.build_placeholder(module, entry["num_terms"], entry["low_rank"], **options)
         else:  # a sketch of the fresh weights: valid values even before the state_dict loads
-            new = kind.build(module, entry["num_terms"], entry["low_rank"], init="sketch", seed=0)
+            new = kind.build(module, entry["num_terms"], entry["low_rank"], init="sketch", seed=0, **options)
         kind.match_trainability(new, module)
         if entry.get("frozen", False):
             new = kind.frozen_twin(new)

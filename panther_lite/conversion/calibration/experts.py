@@ -1,0 +1,116 @@
+"""Calibration statistics of a mixture-of-experts module: for every expert and projection, the
+Gram of the rows the router sends that expert — the hidden states of its tokens for the up
+(``gate_up_proj``) projection, and the dense expert's activations of them (its own up
+projection and gate) for ``down_proj`` — with the row moments their shrinkage needs.
+
+An expert that received fewer rows than a projection has inputs cannot be fitted from them
+(its Gram is singular): that projection of that expert is fitted to its weights alone
+("data-free"), and the report lists it. In the global allocation's spectra such an expert
+counts with its weight's own spectrum scaled by its Gram's mean diagonal (its share of the
+calibration data's output energy, without the directions it cannot estimate).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ...nn.experts_shell import expert_activation
+from ...nn.validation import check_finite
+from ..planning.allocation import whitened_energy
+from .shrinkage import RowMoments, shrink, shrinkage_intensity
+
+__all__ = ["ExpertsRecorder", "expert_energies"]
+
+
+class ExpertsRecorder:
+    """Forward pre-hook (``with_kwargs=True``) of an experts module (called as
+    ``experts(hidden_states, top_k_index, top_k_weights)``) accumulating, per projection,
+    ``grams[name]`` ``(E, fan_in, fan_in)`` float64 on ``device`` (None: the weights'), the
+    ``moments`` of each expert's rows and ``expert_rows``, the rows each expert received."""
+
+    def __init__(self, record, device: Optional[torch.device] = None) -> None:
+        self.record = record
+        device = record.device if device is None else device
+        self.grams = {
+            part.projection: torch.zeros(part.copies, part.fan_in, part.fan_in, dtype=torch.float64, device=device)
+            for part in record.parts
+        }
+        experts = record.parts[0].copies
+        self.moments = {part.projection: [RowMoments() for _ in range(experts)] for part in record.parts}
+        self.expert_rows: List[int] = [0] * experts
+        self.rows = 0
+        self.last_input: Optional[Tensor] = None
+
+    def _add(self, projection: str, expert: int, rows: Tensor) -> None:
+        rows = rows.detach().to(torch.float64)
+        gram = self.grams[projection][expert]
+        gram.add_((rows.t() @ rows).to(gram.device))
+        self.moments[projection][expert].add(rows)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        record = self.record
+        hidden = record.kind.read_input(record.name, module, args, kwargs)
+        index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        self.last_input = hidden
+        up, down = record.parts
+        routed = index.reshape(hidden.shape[0], -1)
+        for expert in range(up.copies):
+            tokens = (routed == expert).any(-1).nonzero().squeeze(-1)
+            if tokens.numel() == 0:
+                continue
+            rows = hidden[tokens]
+            self._add(up.projection, expert, rows)
+            self._add(down.projection, expert, expert_activation(module, up.apply(expert, rows)))
+            self.expert_rows[expert] += tokens.numel()
+            self.rows += tokens.numel()
+
+    def statistics(self) -> List[Tensor]:
+        return list(self.grams.values())
+
+    def check_finite(self) -> None:
+        """ValueError naming the module when its statistics hold inf/NaN."""
+        for projection, gram in self.grams.items():
+            check_finite(f"the Grams of its experts' {projection} inputs", gram, layer=self.record.name)
+
+    def data_free(self, part) -> List[int]:
+        """The experts whose rows are fewer than ``part``'s inputs (fitted to their weights alone)."""
+        return [e for e, rows in enumerate(self.expert_rows) if rows < part.fan_in]
+
+    def fit_grams(self) -> Dict[str, Tensor]:
+        """Per projection, the Grams the fit whitens by ``(E, fan_in, fan_in)``: each calibrated
+        expert's shrunk as far as its rows warrant, the identity for a data-free one."""
+        grams = {}
+        for part in self.record.parts:
+            stack, free = self.grams[part.projection].clone(), set(self.data_free(part))
+            for e in range(part.copies):
+                if e in free:
+                    stack[e] = torch.eye(part.fan_in, dtype=stack.dtype, device=stack.device)
+                else:
+                    stack[e] = shrink(stack[e], shrinkage_intensity(stack[e], self.moments[part.projection][e]))
+            grams[part.projection] = stack
+        return grams
+
+
+def expert_energies(record, recorder: Optional[ExpertsRecorder]) -> Dict[str, Tensor]:
+    """``{part name: (E, n) whitened spectra}`` of each projection (see the module docstring);
+    without statistics (or rows), each expert's weight spectrum."""
+    calibrated = recorder is not None and recorder.rows > 0
+    grams = recorder.fit_grams() if calibrated else {}
+    energies = {}
+    for part in record.parts:
+        free = set(recorder.data_free(part)) if calibrated else set()
+        rows = []
+        for e in range(part.copies):
+            weight = part.expert_matrix(e)
+            if not calibrated:
+                rows.append(whitened_energy(weight))
+            elif e in free:
+                scale = float(recorder.grams[part.projection][e].diagonal().mean())
+                rows.append(scale * whitened_energy(weight))
+            else:
+                rows.append(whitened_energy(weight, grams[part.projection][e]))
+        energies[part.name] = torch.stack(rows)
+    return energies
