@@ -1,14 +1,16 @@
-"""Spotting sketched layers that a quantizer skipped: a model holding quantized modules next to
-sketched layers was quantized before :func:`~panther_lite.freeze`, and its sketched layers
-stayed in float (quantizers replace ``nn.Linear``/``nn.ConvNd``, which they are not)."""
+"""Quantized models and what saving them needs: spotting sketched layers that a quantizer skipped
+(a model holding quantized modules next to sketched layers was quantized before
+:func:`~panther_lite.freeze`, and its sketched layers stayed in float: quantizers replace
+``nn.Linear``/``nn.ConvNd``, which they are not), and refusing state_dicts safetensors cannot store."""
 from __future__ import annotations
 
 import warnings
 from typing import List, Sequence
 
+import torch
 import torch.nn as nn
 
-__all__ = ["quantized_module_names", "warn_if_quantized_beside"]
+__all__ = ["quantized_module_names", "warn_if_quantized_beside", "check_storable"]
 
 # torch.ao's quantized modules (quantize_dynamic, static quantization) and their old alias
 _QUANTIZED_MODULE_PREFIXES = ("torch.ao.nn.quantized", "torch.nn.quantized", "torch.ao.nn.intrinsic.quantized")
@@ -47,3 +49,19 @@ def warn_if_quantized_beside(model: nn.Module, sketched_names: Sequence[str], ac
         UserWarning,
         stacklevel=3,
     )
+
+
+def check_storable(model: nn.Module, action: str) -> None:
+    """ValueError when ``model``'s ``state_dict`` holds what safetensors cannot store (the packed
+    weights of torch.ao quantized modules, torchao's quantized tensors); ``action`` says what
+    the user called. Called before anything is written."""
+    odd = [key for key, value in model.state_dict().items() if type(value) not in (torch.Tensor, nn.Parameter)]
+    if odd:
+        quantized = quantized_module_names(model)
+        more = ", ..." if len(quantized) > 3 else ""
+        held = f" (quantized modules: {', '.join(quantized[:3])}{more})" if quantized else ""
+        raise ValueError(
+            f"{action} stores plain tensors (safetensors), but the state_dict entries {odd[:3]}"
+            f"{' and more' if len(odd) > 3 else ''} are not{held}: save the float model before quantizing, and "
+            "quantize again after from_pretrained (or torch.save(model.state_dict()) for this form)"
+        )

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from ...extras import require
-from ..deploy.quantized import quantized_module_names, warn_if_quantized_beside
+from ..deploy.quantized import check_storable, warn_if_quantized_beside
 from .serialization import apply_conversion_config, conversion_config
 from .weight_files import WEIGHTS_NAME, load_weights_file, read_weights
 
@@ -158,21 +158,6 @@ def _move_into(source: Path, target: Path) -> None:
             os.replace(entry, destination)
 
 
-def _check_storable(model: nn.Module) -> None:
-    """ValueError, before anything is written, when the ``state_dict`` holds what safetensors
-    cannot store: the packed weights of torch.ao quantized modules are not plain tensors."""
-    odd = [key for key, value in model.state_dict().items() if type(value) not in (torch.Tensor, nn.Parameter)]
-    if odd:
-        quantized = quantized_module_names(model)
-        more = ", ..." if len(quantized) > 3 else ""
-        held = f" (quantized modules: {', '.join(quantized[:3])}{more})" if quantized else ""
-        raise ValueError(
-            f"save_pretrained stores plain tensors (safetensors), but the state_dict entries {odd[:3]}"
-            f"{' and more' if len(odd) > 3 else ''} are not{held}: save the float model before quantizing, and "
-            "quantize again after from_pretrained (or torch.save(model.state_dict()) for this form)"
-        )
-
-
 def save_pretrained(model: nn.Module, directory: PathLike) -> None:
     """Save a (converted) model so :func:`from_pretrained` rebuilds it exactly.
 
@@ -205,7 +190,7 @@ def save_pretrained(model: nn.Module, directory: PathLike) -> None:
     conversion = conversion_config(model)
     unfrozen = [entry["name"] for entry in conversion["layers"] if not entry.get("frozen", False)]
     warn_if_quantized_beside(model, unfrozen, "save_pretrained")
-    _check_storable(model)
+    check_storable(model, "save_pretrained")
     if saved_with == _SENTENCE_TRANSFORMERS:
         _check_layers_reloadable(model, conversion)
     created = not directory.exists()
