@@ -63,7 +63,10 @@ def _scaled_product(bias: Optional[Tensor], a: Tensor, b: Tensor, scale: float, 
     """``scale · a·b (+ bias)`` with the scale applied inside the GEMM (no unscaled fp16
     product), into ``out`` when given."""
     if bias is None:
-        return torch.addmm(a.new_zeros(()), a, b, beta=0, alpha=scale, out=out)
+        # beta=0 ignores the zeros; they are expanded to the output's shape because inductor's
+        # C++ GEMM template (max-autotune) cannot lower a 0-d input
+        zeros = a.new_zeros(()).expand(a.shape[0], b.shape[1])
+        return torch.addmm(zeros, a, b, beta=0, alpha=scale, out=out)
     return torch.addmm(bias, a, b, alpha=scale, out=out)
 
 

@@ -159,8 +159,18 @@ def test_activation_checkpointing_gives_the_same_gradients():
     torch.testing.assert_close(x.grad, expected_x, **FLOAT64_TOL)
 
 
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune"])
-def test_compile_fullgraph_matches_eager(mode):
+# max-autotune with every CPU GEMM backend: whether inductor's C++ GEMM template is a
+# candidate depends on the CPU, so "ATEN,CPP" makes it one on every machine.
+COMPILE_MODES = [
+    pytest.param("default", "ATEN,TRITON,CPP", id="default"),
+    pytest.param("reduce-overhead", "ATEN,TRITON,CPP", id="reduce-overhead"),
+    pytest.param("max-autotune", "ATEN,TRITON,CPP", id="max-autotune"),
+    pytest.param("max-autotune", "ATEN,CPP", id="max-autotune-cpp-template"),
+]
+
+
+@pytest.mark.parametrize(("mode", "gemm_backends"), COMPILE_MODES)
+def test_compile_fullgraph_matches_eager(mode, gemm_backends):
     torch._dynamo.reset()
     torch.manual_seed(0)
     net = Net()
@@ -169,8 +179,9 @@ def test_compile_fullgraph_matches_eager(mode):
     eager_out, eager_grads = net(x).detach(), grads(net)
     net.zero_grad()
     compiled = torch.compile(net, mode=None if mode == "default" else mode, fullgraph=True)
-    out = compiled(x)
-    F.cross_entropy(out, y).backward()
+    with torch._inductor.config.patch(max_autotune_gemm_backends=gemm_backends, fx_graph_cache=False):
+        out = compiled(x)
+        F.cross_entropy(out, y).backward()
     torch.testing.assert_close(out.detach(), eager_out, rtol=1e-5, atol=1e-6)
     for name, g in grads(net).items():
         torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
