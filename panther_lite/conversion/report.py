@@ -26,9 +26,13 @@ REPORT_COLUMNS = [
     "stored_ratio",
     "weight_error",
     "output_error",
+    "calibration_rows",
+    "shrinkage",
 ]
 
-_FIT_FIGURES = ("init", "trainable_params", "stored_params", "weight_error", "output_error")
+_FIT_FIGURES = (
+    "init", "trainable_params", "stored_params", "weight_error", "output_error", "calibration_rows", "shrinkage"
+)
 
 
 def _row(record: LayerRecord, fit: "FitResult | None") -> dict:
@@ -47,6 +51,8 @@ def _row(record: LayerRecord, fit: "FitResult | None") -> dict:
         stored_params=dense,
         weight_error=math.nan,
         output_error=math.nan,
+        calibration_rows=None,
+        shrinkage=math.nan,
     )
     if fit is not None:
         row.update({figure: getattr(fit, figure) for figure in _FIT_FIGURES})
@@ -62,7 +68,7 @@ def build_report(
     import pandas as pd
 
     report = pd.DataFrame([_row(record, fits.get(record.name)) for record in records], columns=REPORT_COLUMNS)
-    for column in ("num_terms", "low_rank"):
+    for column in ("num_terms", "low_rank", "calibration_rows"):
         report[column] = report[column].astype("Int64")
     report.attrs["model_stored_before"] = stored_before
     report.attrs["model_stored_after"] = stored_after

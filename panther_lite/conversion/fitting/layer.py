@@ -15,7 +15,9 @@ from ..records import LayerRecord
 
 @dataclass
 class FitResult:
-    """A fitted replacement and the report's figures for it."""
+    """A fitted replacement and the report's figures for it: ``calibration_rows``, the real
+    (unpadded) calibration rows it was fitted on (None without calibration), ``shrinkage``,
+    the strength its whitening Gram was shrunk by (NaN when no Gram whitened the fit)."""
 
     module: nn.Module
     init: str
@@ -23,6 +25,8 @@ class FitResult:
     stored_params: int
     weight_error: float
     output_error: float
+    calibration_rows: Optional[int] = None
+    shrinkage: float = math.nan
 
 
 def output_error(weight: Tensor, approx: Tensor, gram: Tensor) -> float:

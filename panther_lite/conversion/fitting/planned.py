@@ -3,13 +3,14 @@ weight alone), or sequentially against the original layers' outputs; layers the 
 reached are fitted to their weights with a warning."""
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Dict, List, Optional
 
 import torch.nn as nn
 
 from ..calibration.grams import Calibration
-from ..calibration.shrinkage import note_few_rows, shrinkage_intensity
+from ..calibration.shrinkage import note_calibration, shrink
 from ..config import ConvertConfig
 from ..records import LayerRecord
 from ..rules import layer_seed, progress_bar
@@ -28,19 +29,26 @@ def fit_all(
     todo: List[LayerRecord], config: ConvertConfig, calibration: Optional[Calibration], first_index: int = 0,
     progress: Optional[bool] = False,
 ) -> Dict[str, FitResult]:
-    """Fit every planned layer from its Gram (layer ``i`` of ``todo`` is layer ``first_index + i``
-    of the plan, for its seed), releasing each Gram as soon as the last layer using it is fitted."""
+    """Fit every planned layer from its Gram, shrunk as ``config.shrinkage`` says (layer ``i``
+    of ``todo`` is layer ``first_index + i`` of the plan, for its seed), releasing each Gram as
+    soon as the last layer using it is fitted."""
     fits = {}
     for index, record in enumerate(progress_bar(todo, "converting", "layer", progress)):
         recorder = None if calibration is None else calibration.recorders.get(record.name)
         gram = None if recorder is None else recorder.finite_gram()
         if recorder is not None and gram is None:
             warn_uncalibrated(record)
-        fit_gram = None if gram is None else recorder.fit_gram()
-        if fit_gram is not None:
-            note_few_rows(record, recorder.moments, shrinkage_intensity(gram, recorder.moments))
         seed = layer_seed(config.seed, first_index + index)
-        fits[record.name] = fit_layer(record, config.init, gram, seed, config.fit, fit_gram)
+        strength = fit_gram = None
+        if gram is not None and config.init == "svd":
+            strength = recorder.strength(config.shrinkage, record, record.rank, config.fit, seed)
+            fit_gram = shrink(gram, strength) if strength else gram
+        if gram is not None:
+            note_calibration(record, recorder.rows, 0.0 if strength is None else strength, recorder.unaligned)
+        fits[record.name] = fit = fit_layer(record, config.init, gram, seed, config.fit, fit_gram)
+        if gram is not None:
+            fit.calibration_rows = recorder.rows
+            fit.shrinkage = math.nan if strength is None else strength
         if calibration is not None:
             calibration.release(record.name)
     return fits
@@ -68,6 +76,7 @@ def fit_planned(
     fits, unreached = fit_sequentially(
         model, todo, batches, seed=layer_seed(config.seed, first_index), device=config.calibration_device,
         progress=progress, fit=config.fit, converted_batches=converted_batches, prefitted=prefitted,
+        shrinkage=config.shrinkage,
     )
     for record in unreached:
         warn_uncalibrated(record)

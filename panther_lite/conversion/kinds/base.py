@@ -149,6 +149,13 @@ class LayerKind:
         its rows per cluster (:mod:`~panther_lite.conversion.calibration.shrinkage`)."""
         raise NotImplementedError
 
+    def token_rows(self, module: nn.Module, x: Tensor, mask: Tensor) -> Optional[Tuple[Tensor, int]]:
+        """The rows of :meth:`input_rows` with those at padded tokens zeroed, and the rows per
+        cluster, when they line up with the token ``mask`` ``(batch, seq)`` (bool, on ``x``'s
+        device); None when they do not (the default: this kind's rows are not tokens), and
+        then all rows are used (:mod:`~panther_lite.conversion.calibration.tokens`)."""
+        return None
+
     # ------------------------------------------------------------------ building
     def build(self, module: nn.Module, num_terms: int, low_rank: int, **fit) -> nn.Module:
         """The fitted sketched layer of ``module`` (``fit``: ``init``, ``seed``, ``gram``,

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from ..calibration.batches import CalibrationData, ModelRun, run_batch
 from ..calibration.grams import collect_grams
+from ..calibration.tokens import with_masks
 from ..config import ConvertConfig
 from ..fitting.block_refinement import AfterFit, BlockRefiner, FittedBlock
 from ..fitting.layer import FitResult
@@ -43,13 +44,16 @@ from .blocks import BlockCall, BlockList, BlockRunner, block_device, block_on, c
 from .spectra import Materialise, plan_global_by_blocks
 
 
-def _fit_block(runner, here: List[LayerRecord], original, current, config: ConvertConfig, first_index: int):
-    """The fits of one block's layers, on the original and current streams of cached calls."""
+def _fit_block(runner, here: List[LayerRecord], original, current, masks, config: ConvertConfig, first_index: int):
+    """The fits of one block's layers, on the original and current streams of cached calls
+    (each with the token mask of its batch, ``masks``)."""
     if not here:
         return {}
+    original, current = with_masks(original, masks), with_masks(current, masks)
     if config.sequential:
         return fit_planned(runner, here, config, None, original, first_index=first_index, converted_batches=current)
-    calibration = collect_grams(runner, here, CalibrationData(current), False, config.calibration_device)
+    data = CalibrationData(current)
+    calibration = collect_grams(runner, here, data, False, config.calibration_device, config.held_back)
     return fit_planned(runner, here, config, calibration, first_index=first_index)
 
 
@@ -65,10 +69,11 @@ def _swap_sending_home(model: nn.Module, block_fits: Dict[str, FitResult], home:
 
 
 def _convert_blocks(
-    model: nn.Module, todo: List[LayerRecord], block_list: BlockList, calls, config: ConvertConfig, log: SwapLog,
-    after_fit: Optional[AfterFit], materialise: Materialise,
+    model: nn.Module, todo: List[LayerRecord], block_list: BlockList, calls, masks, config: ConvertConfig,
+    log: SwapLog, after_fit: Optional[AfterFit], materialise: Materialise,
 ) -> Dict[str, FitResult]:
-    """Fit and swap the blocks' layers block by block (swaps appended to ``log``)."""
+    """Fit and swap the blocks' layers block by block (swaps appended to ``log``); ``masks``:
+    the token mask of each call's batch."""
     last = max((i for i in range(len(block_list.blocks)) if block_list.records_in(i, todo)), default=-1)
     cache, device, fits = config.cache_device, config.calibration_device, {}
     original = current = calls
@@ -77,13 +82,13 @@ def _convert_blocks(
         with materialise(index, block):
             runner = BlockRunner(model, block, device)
             first_index = todo.index(here[0]) if here else 0
-            block_fits = _fit_block(runner, here, original, current, config, first_index)
+            block_fits = _fit_block(runner, here, original, current, masks, config, first_index)
             targets = run_block(runner, original, cache, where) if index < last or after_fit is not None else None
             log += _swap_sending_home(model, block_fits, home)
             fits.update(block_fits)
             if after_fit is not None:
                 outputs = [hidden_states(call) for call in targets]
-                after_fit(FittedBlock(index, where, block, runner, here, block_fits, current, outputs))
+                after_fit(FittedBlock(index, where, block, runner, here, block_fits, current, outputs, masks))
             if index < last:
                 current = run_block(runner, current, cache, where) if config.sequential else targets
                 original = targets
@@ -105,9 +110,10 @@ def convert_by_blocks(
     outside = [record for record in todo if not block_list.inside(record)]
     calibration = None
     if outside and not config.sequential:  # on the dense model, like the blocks' Grams
-        calibration = collect_grams(model, outside, job.data, False, config.calibration_device)
+        calibration = collect_grams(model, outside, job.data, False, config.calibration_device, config.held_back)
     try:
-        fits = _convert_blocks(model, todo, block_list, calls, config, log, after_fit, materialise)
+        masks = job.data.token_masks()
+        fits = _convert_blocks(model, todo, block_list, calls, masks, config, log, after_fit, materialise)
         if outside:
             # sequential: the original runs are the dense model's, so the blocks are swapped out
             undo_swaps(log)

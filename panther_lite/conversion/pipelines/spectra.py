@@ -16,7 +16,8 @@ from typing import Callable, ContextManager, Dict, List, Tuple
 import torch.nn as nn
 
 from ..calibration.batches import CalibrationData
-from ..calibration.grams import collect_grams
+from ..calibration.grams import collect_grams, spectrum_gram
+from ..calibration.tokens import with_masks
 from ..config import ConvertConfig
 from ..planning.allocation import whitened_energy
 from ..planning.global_plan import plan_global
@@ -30,14 +31,14 @@ Materialise = Callable[[int, nn.Module], ContextManager]
 BlockGains = Callable[[List[nn.Module]], List[float]]
 
 
-def _spectra(model: nn.Module, pooled: List[LayerRecord], data: CalibrationData, device) -> Tuple[dict, dict]:
+def _spectra(model: nn.Module, pooled: List[LayerRecord], data: CalibrationData, config: ConvertConfig) -> Tuple[dict, dict]:
     """``({name: whitened spectrum}, {name: squared gain at model's output})`` of ``pooled``
     calibrated on ``data``; each Gram is freed as soon as its spectrum is taken."""
-    calibration = collect_grams(model, pooled, data, False, device)
+    calibration = collect_grams(model, pooled, data, False, config.calibration_device, config.held_back)
     energies = {}
     for record in pooled:
-        recorder = calibration.recorders.get(record.name)
-        energies[record.name] = whitened_energy(record.weight_matrix(), None if recorder is None else recorder.fit_gram())
+        gram = spectrum_gram(calibration.recorders.get(record.name), record, config)
+        energies[record.name] = whitened_energy(record.weight_matrix(), gram)
         calibration.release(record.name)
     return energies, output_gains(model, pooled, calibration.replay)
 
@@ -51,8 +52,8 @@ def spectra_pass(
     each block's output to the model's output."""
     last = max((i for i in range(len(block_list.blocks)) if block_list.records_in(i, pooled)), default=-1)
     outside = [record for record in pooled if not block_list.inside(record)]
-    device = config.calibration_device
-    energies, gains = _spectra(model, outside, data, device) if outside else ({}, {})
+    device, masks = config.calibration_device, data.token_masks()
+    energies, gains = _spectra(model, outside, data, config) if outside else ({}, {})
     gains_to_output = block_gains(block_list.blocks[: last + 1])
     blocks = progress_bar(block_list.blocks[: last + 1], "measuring spectra", "block", config.progress)
     for index, block in enumerate(blocks):
@@ -60,7 +61,7 @@ def spectra_pass(
         with materialise(index, block):
             runner = BlockRunner(model, block, device)
             if here:
-                block_energies, within = _spectra(runner, here, CalibrationData(calls), device)
+                block_energies, within = _spectra(runner, here, CalibrationData(with_masks(calls, masks)), config)
                 energies.update(block_energies)
                 gains.update({name: gain * gains_to_output[index] for name, gain in within.items()})
             if index < last:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 from ..calibration.batches import ModelRun
-from ..calibration.grams import Calibration, collect_grams
+from ..calibration.grams import Calibration, collect_grams, spectrum_gram
 from ..fitting.layer import FitResult
 from ..fitting.planned import fit_planned
 from ..planning.global_plan import plan_global
@@ -33,11 +33,11 @@ class WholeModel:
         candidates = [record for record in job.records if record.to_convert]
         if job.data.given and candidates and (pooled or not config.sequential):
             device = config.calibration_device
-            self.calibration = collect_grams(model, candidates, job.data, config.progress, device)
+            self.calibration = collect_grams(model, candidates, job.data, config.progress, device, config.held_back)
         calibration = self.calibration
         if pooled:
             recorders = {} if calibration is None else calibration.recorders
-            grams = {r.name: None if calibration is None else recorders[r.name].fit_gram() for r in pooled}
+            grams = {r.name: None if calibration is None else spectrum_gram(recorders[r.name], r, config) for r in pooled}
             replay = None if calibration is None else calibration.replay
             gains = {} if replay is None else output_gains(model, pooled, replay)
             sizes, multiple_of = config.sizes, rank_multiple_for(config.align)
