@@ -73,11 +73,11 @@ class GramRecorder:
         check_finite("the Gram XᵀX of its calibration inputs", self.gram, layer=self.record.name)
         return self.gram
 
-    def strength(self, setting, record: LayerRecord, rank: int, fit: str = "auto", seed: Optional[int] = None) -> float:
+    def strength(self, setting, record: LayerRecord, rank: int) -> float:
         """The shrinkage strength of ``record``'s rank-``rank`` fit (``setting``: the config's
         ``shrinkage``, :func:`.shrinkage.layer_strength`); call only when :meth:`finite_gram` is not None."""
         weight = record.weight_matrix()
-        return layer_strength(setting, weight, rank, self.gram, self.moments, self.held, fit=fit, seed=seed)
+        return layer_strength(setting, weight, rank, self.gram, self.moments, self.held)
 
 
 def spectrum_gram(recorder: Optional[GramRecorder], record: LayerRecord, config) -> Optional[Tensor]:
@@ -90,7 +90,7 @@ def spectrum_gram(recorder: Optional[GramRecorder], record: LayerRecord, config)
         return None
     ratio = config.sizes.default
     rank = max(1, int(ratio * record.fan_in * record.fan_out / (record.fan_in + record.fan_out)))
-    strength = recorder.strength(config.shrinkage, record, rank, config.fit)
+    strength = recorder.strength(config.shrinkage, record, rank)
     return shrink(gram, strength) if strength else gram
 
 

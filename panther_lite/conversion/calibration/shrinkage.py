@@ -49,7 +49,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ...nn.low_rank_fit import decomposition_dtype, output_subspace
+from ...nn.low_rank_fit import decomposition_dtype
 from ..records import LayerRecord
 
 __all__ = [
@@ -61,6 +61,7 @@ MULTIPLES = (0.5, 1.0, 2.0)
 """The multiples ``c`` of the Ledoit–Wolf ``α`` that ``shrinkage="auto"`` tries besides ``c = 0``."""
 
 Setting = Union[str, float]
+_DAMPING = 1e-4  # the ridge the fits add to a Gram, relative to its mean diagonal (low_rank_fit's default)
 
 
 class RowMoments:
@@ -163,45 +164,76 @@ class Strength:
     held_errors: Dict[float, float]
 
 
-def _held_error(weight: Tensor, rank: int, train: Tensor, test: Tensor, fit: str, seed: Optional[int]) -> float:
-    """``‖X_test (W − QQᵀW)ᵀ‖²`` for the fit ``QQᵀW`` whitened by ``train``:
-    ``trace(W G Wᵀ) − trace(QᵀW G WᵀQ)`` with ``G`` = ``test``."""
-    basis = output_subspace(weight, rank, train, method=fit, seed=seed)
-    test = test.to(weight)
-    projected = basis.t() @ weight
-    return float(((weight @ test) * weight).sum() - ((projected @ test) * projected).sum())
+class _Half:
+    """One half of the split: the Gram the fit is made on (``train``, its Ledoit–Wolf ``base``
+    strength from ``moments``) and the one it is measured on (``test``). Each fit is the exact
+    one (its basis ``Q``: top left singular vectors of ``W·C``, ``C² = G_α + λI`` damped as the
+    layers' fits are), found on the smaller side: where ``fan_out <= fan_in`` from
+    ``W (G_α + λI) Wᵀ``, which ``G_α = (1 − α)G + α·diag(G)`` makes a blend of three
+    ``(fan_out, fan_out)`` matrices computed once."""
+
+    def __init__(self, weight: Tensor, train: Tensor, moments: RowMoments, test: Tensor) -> None:
+        self.weight, self.train, self.test = weight, train, test.to(weight)
+        self.base = shrinkage_intensity(train, moments)
+        self.reference = float(((weight @ self.test) * weight).sum())  # ‖X_test Wᵀ‖²
+        diagonal = train.diagonal().to(weight)
+        self.ridge = _DAMPING * max(float(diagonal.mean()), torch.finfo(torch.float64).tiny)
+        if weight.shape[0] <= weight.shape[1]:  # W G_α Wᵀ as a blend
+            self.blend = ((weight @ train.to(weight)) @ weight.t(), (weight * diagonal) @ weight.t(), weight @ weight.t())
+        else:
+            self.blend = None
+            self.normal = weight.t() @ weight  # WᵀW, for C WᵀW C
+
+    def error(self, strength: float, rank: int) -> float:
+        """``‖X_test (W − QQᵀW)ᵀ‖²`` for the rank-``rank`` fit whitened by the train Gram shrunk by ``strength``."""
+        projected = self._projected(strength, min(rank, *self.weight.shape))
+        return self.reference - float(((projected @ self.test) * projected).sum())
+
+    def _projected(self, strength: float, rank: int) -> Tensor:
+        """``QᵀW`` ``(rank, fan_in)`` for the exact fit's basis ``Q``: the top eigenvectors of
+        ``W (G_α + λI) Wᵀ``, or (``fan_out > fan_in``) ``Q = W C V Σ⁻¹`` from the top
+        eigenpairs ``(Σ², V)`` of ``C WᵀW C`` with ``C² = G_α + λI``."""
+        if self.blend is not None:
+            full, diagonal, normal = self.blend
+            square = (1.0 - strength) * full + strength * diagonal + self.ridge * normal
+            basis = torch.linalg.eigh(0.5 * (square + square.t()))[1].flip(1)[:, :rank]
+            return basis.t() @ self.weight
+        shrunk = shrink(self.train.to(self.weight), strength)
+        shrunk.diagonal().add_(self.ridge)
+        values, vectors = torch.linalg.eigh(shrunk)
+        root = (vectors * values.clamp_min(0).sqrt()) @ vectors.t()
+        square = root @ self.normal @ root
+        values, vectors = torch.linalg.eigh(0.5 * (square + square.t()))
+        values, vectors = values.flip(0)[:rank], vectors.flip(1)[:, :rank]
+        basis = (self.weight @ (root @ vectors)) / values.clamp_min(torch.finfo(values.dtype).tiny).sqrt()
+        return basis.t() @ self.weight
+        return self.reference - float(((projected @ self.test) * projected).sum())
 
 
 def choose_strength(
-    weight: Tensor, rank: int, gram: Tensor, moments: RowMoments, held: HeldBack, *, fit: str = "auto",
-    seed: Optional[int] = None,
+    weight: Tensor, rank: int, gram: Tensor, moments: RowMoments, held: HeldBack
 ) -> Strength:
     """The shrinkage strength chosen on held-back rows (see the module docstring) for the
     rank-``rank`` fit of ``weight`` ``(fan_out, fan_in)`` whitened by ``gram`` (of the rows
     ``moments`` counted, ``held`` the statistics of half of them); strength 0 when a half
-    holds no row (nothing to check against). ``fit``/``seed``: the decomposition, as the
-    layer's own fit makes it."""
+    holds no row (nothing to check against). Costs ``2·(1 + len(MULTIPLES))`` eigendecompositions
+    on the layer's smaller side, besides products with the Grams."""
     rest = moments - held.moments
     if held.moments.rows == 0 or rest.rows == 0:
         return Strength(0.0, 0.0, {})
     w = weight.detach().to(decomposition_dtype(weight))
-    halves = ((gram - held.gram, rest, held.gram), (held.gram, held.moments, gram - held.gram))
-    bases = [shrinkage_intensity(train, train_moments) for train, train_moments, _ in halves]
+    halves = (_Half(w, gram - held.gram, rest, held.gram), _Half(w, held.gram, held.moments, gram - held.gram))
     errors: Dict[float, float] = {}
     for multiple in (0.0,) + MULTIPLES:
-        if multiple and not any(bases):
+        if multiple and not any(half.base for half in halves):
             break
-        errors[multiple] = sum(
-            _held_error(w, rank, shrink(train, min(1.0, multiple * base)), test, fit, seed)
-            for (train, _, test), base in zip(halves, bases)
-        )
+        errors[multiple] = sum(half.error(min(1.0, multiple * half.base), rank) for half in halves)
     best = min(errors, key=lambda multiple: (errors[multiple], multiple))
     return Strength(min(1.0, best * shrinkage_intensity(gram, moments)), best, errors)
 
 
 def layer_strength(
-    setting: Setting, weight: Tensor, rank: int, gram: Tensor, moments: RowMoments, held: Optional[HeldBack], *,
-    fit: str = "auto", seed: Optional[int] = None,
+    setting: Setting, weight: Tensor, rank: int, gram: Tensor, moments: RowMoments, held: Optional[HeldBack]
 ) -> float:
     """The strength a fit whitened by ``gram`` uses: ``setting`` when it is a number (the
     config's ``shrinkage``; 0 is off), else (``"auto"``) :func:`choose_strength` on ``held``
@@ -210,7 +242,7 @@ def layer_strength(
         return float(setting)
     if held is None:
         return 0.0
-    return choose_strength(weight, rank, gram, moments, held, fit=fit, seed=seed).value
+    return choose_strength(weight, rank, gram, moments, held).value
 
 
 def note_calibration(record: LayerRecord, rows: int, intensity: float, unaligned: bool = False) -> None:

@@ -100,4 +100,4 @@ def zero_padding(output: Tensor, mask: Optional[Tensor]) -> Tensor:
     ``(batch, seq)`` lines up with its leading dimensions; else ``output`` unchanged."""
     if mask is None or output.dim() < 3 or tuple(output.shape[:2]) != tuple(mask.shape):
         return output
-    return output * mask.to(output.device).reshape(*mask.shape, *(1,) * (output.dim() - 2)).to(output.dtype)
+    return torch.where(mask.to(output.device).reshape(*mask.shape, *(1,) * (output.dim() - 2)), output, 0)

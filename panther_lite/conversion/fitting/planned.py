@@ -41,7 +41,7 @@ def fit_all(
         seed = layer_seed(config.seed, first_index + index)
         strength = fit_gram = None
         if gram is not None and config.init == "svd":
-            strength = recorder.strength(config.shrinkage, record, record.rank, config.fit, seed)
+            strength = recorder.strength(config.shrinkage, record, record.rank)
             fit_gram = shrink(gram, strength) if strength else gram
         if gram is not None:
             note_calibration(record, recorder.rows, 0.0 if strength is None else strength, recorder.unaligned)

@@ -205,7 +205,7 @@ def _fit_member(record: LayerRecord, stats: _GroupStatistics, seed: Optional[int
     statistics shrunk as ``shrinkage`` (the config's) says for its fit whitened by ``G̃``."""
     weight = record.weight_matrix().detach()
     w = weight.to(stats.current)
-    intensity = layer_strength(shrinkage, weight, record.rank, stats.current, stats.moments, stats.held, fit=fit, seed=seed)
+    intensity = layer_strength(shrinkage, weight, record.rank, stats.current, stats.moments, stats.held)
     note_calibration(record, stats.moments.rows, intensity, stats.unaligned)
     current = shrink(stats.current, intensity)
     ridge = RIDGE * stats.current.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)

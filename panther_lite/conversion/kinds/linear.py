@@ -99,7 +99,7 @@ class LinearKind(LayerKind):
         padded ones zeroed, one cluster per sequence."""
         if tuple(x.shape[:-1]) != tuple(mask.shape):
             return None
-        return (x * mask.unsqueeze(-1).to(x.dtype)).reshape(-1, x.shape[-1]), x.shape[-2]
+        return torch.where(mask.unsqueeze(-1), x, 0).reshape(-1, x.shape[-1]), x.shape[-2]
 
     def build(self, module: nn.Module, num_terms: int, low_rank: int, **fit) -> nn.Module:
         return self.built_type.from_linear(self.as_linear(module), num_terms, low_rank, **fit)
