@@ -1,7 +1,5 @@
 """Real tokens only: positions an attention_mask marks as padding enter no statistic (Grams,
 spectra, sequential statistics, refinement losses), and the report counts the real rows."""
-import copy
-
 import pytest
 import torch
 import torch.nn as nn

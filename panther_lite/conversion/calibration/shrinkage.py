@@ -44,7 +44,7 @@ held-back rows. A float fixes the strength; ``0`` or None turns shrinkage off.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Union
 
 import torch
 from torch import Tensor
