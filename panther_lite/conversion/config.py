@@ -212,6 +212,22 @@ def device_problem(device: torch.device) -> Optional[str]:
     return None
 
 
+def check_shrinkage(shrinkage) -> Union[str, float]:
+    """``shrinkage`` as ``"auto"`` or a float in [0, 1] (None: 0.0, off); TypeError /
+    ValueError naming the option otherwise."""
+    if shrinkage is None or (isinstance(shrinkage, str) and shrinkage == "auto"):
+        return 0.0 if shrinkage is None else shrinkage
+    if isinstance(shrinkage, str):
+        raise ValueError(f"shrinkage must be 'auto', a strength in [0, 1] or None (off), got {shrinkage!r}")
+    if isinstance(shrinkage, bool) or not isinstance(shrinkage, numbers.Real):
+        raise TypeError(
+            f"shrinkage must be 'auto', a strength in [0, 1] or None (off), got {type(shrinkage).__name__} {shrinkage!r}"
+        )
+    if not (math.isfinite(shrinkage) and 0 <= shrinkage <= 1):
+        raise ValueError(f"shrinkage must be 'auto', a strength in [0, 1] or None (off), got {shrinkage!r}")
+    return float(shrinkage)
+
+
 def _check_blocks(blocks) -> None:
     if blocks is None or blocks is False or (isinstance(blocks, str) and not isinstance(blocks, bool)):
         return
@@ -266,6 +282,12 @@ class ConvertConfig:
             statistics alive at a time; the batches run twice per group.
         seed: makes ``init="sketch"`` and randomized fits reproducible (layer ``i`` of the
             plan uses ``seed + i``).
+        shrinkage: how far the calibration Grams are shrunk towards their diagonal before a
+            fit whitens by them (:mod:`~panther_lite.conversion.calibration.shrinkage`):
+            ``"auto"`` (a multiple of the Ledoit–Wolf strength, possibly 0, chosen per layer
+            at its rank on held-back calibration rows, so never worse than none there), a
+            strength in [0, 1] for every layer, or 0 / None (off, stored as 0.0). The report's
+            ``shrinkage`` column gives the strength each layer used.
         calibration_device: where the Grams and cached activations live (None: each layer's
             device for the Grams, the CPU for cached activations; not "meta").
         blocks: convert block by block (:mod:`~panther_lite.conversion.pipelines.by_blocks`):
@@ -306,6 +328,7 @@ class ConvertConfig:
     runtime_rows: Optional[int] = None
     sequential: bool = False
     seed: Optional[int] = None
+    shrinkage: Union[str, float, None] = "auto"
     calibration_device: Union[str, torch.device, None] = None
     blocks: Union[None, bool, str] = "auto"
     refine: Union[bool, Mapping[str, float], RefineConfig, None] = False
@@ -323,6 +346,7 @@ class ConvertConfig:
             raise TypeError(f"sequential must be True or False, got {self.sequential!r}")
         set_field = functools.partial(object.__setattr__, self)  # the dataclass is frozen
         set_field("seed", check_seed(self.seed))
+        set_field("shrinkage", check_shrinkage(self.shrinkage))
         set_field("calibration_device", _device(self.calibration_device))
         if self.sequential and self.init != "svd":
             raise ValueError("sequential=True fits each layer to the original outputs, which needs init='svd'")
@@ -340,6 +364,11 @@ class ConvertConfig:
         if self.rank_pattern is not None:
             set_field("rank_pattern", dict(self.rank_pattern))
         set_field("sizes", sizes)
+
+    @property
+    def held_back(self) -> bool:
+        """Whether calibration keeps held-back statistics (``shrinkage="auto"`` chooses its strength on them)."""
+        return self.shrinkage == "auto"
 
     @property
     def cache_device(self) -> torch.device:

@@ -72,6 +72,11 @@ class LayerRecord:
         return self.weight_matrix().shape[0]
 
     @property
+    def rank(self) -> int:
+        """The planned sketch's rank ``2·num_terms·low_rank`` (its sizes must be set)."""
+        return 2 * self.num_terms * self.low_rank
+
+    @property
     def dense_params(self) -> int:
         """Parameters of the dense layer (0 while a lazy module is uninitialized)."""
         return 0 if self.is_lazy else dense_size(self.fan_in, self.fan_out, self.has_bias)

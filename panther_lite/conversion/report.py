@@ -26,9 +26,13 @@ REPORT_COLUMNS = [
     "stored_ratio",
     "weight_error",
     "output_error",
+    "calibration_rows",
+    "shrinkage",
 ]
 
-_FIT_FIGURES = ("init", "trainable_params", "stored_params", "weight_error", "output_error")
+_FIT_FIGURES = (
+    "init", "trainable_params", "stored_params", "weight_error", "output_error", "calibration_rows", "shrinkage"
+)
 
 
 def _part_fit(record: LayerRecord, part: LayerRecord, fit: "FitResult | None") -> "FitResult | None":
@@ -54,6 +58,8 @@ def _row(record: LayerRecord, fit: "FitResult | None") -> dict:
         stored_params=dense,
         weight_error=math.nan,
         output_error=math.nan,
+        calibration_rows=None,
+        shrinkage=math.nan,
     )
     if fit is not None:
         row.update({figure: getattr(fit, figure) for figure in _FIT_FIGURES}, **fit.extra)
@@ -74,7 +80,7 @@ def build_report(
     extra = [column for row in rows for column in row if column not in REPORT_COLUMNS]
     report = pd.DataFrame(rows, columns=REPORT_COLUMNS + list(dict.fromkeys(extra)))
     counts = [c for c in extra if all(isinstance(v, int) and not isinstance(v, bool) for v in report[c].dropna())]
-    for column in ("num_terms", "low_rank", *dict.fromkeys(counts)):
+    for column in ("num_terms", "low_rank", "calibration_rows", *dict.fromkeys(counts)):
         report[column] = report[column].astype("Int64")
     report.attrs["model_stored_before"] = stored_before
     report.attrs["model_stored_after"] = stored_after

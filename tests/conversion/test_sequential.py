@@ -110,10 +110,10 @@ def test_projections_of_one_input_share_statistics_and_each_group_is_freed_befor
     created, alive_at_creation = [], []
     original_init = sequential._GroupStatistics.__init__
 
-    def tracking_init(self, group, device):
+    def tracking_init(self, group, *args):
         gc.collect()
         alive_at_creation.append(sum(ref() is not None for ref in created))
-        original_init(self, group, device)
+        original_init(self, group, *args)
         created.append(weakref.ref(self))
 
     monkeypatch.setattr(sequential._GroupStatistics, "__init__", tracking_init)

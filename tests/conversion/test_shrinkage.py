@@ -1,11 +1,19 @@
 """Ledoit–Wolf shrinkage of calibration Grams towards their diagonal
 (panther_lite.conversion.calibration.shrinkage) and where convert applies it."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 
 import panther_lite
-from panther_lite.conversion.calibration.shrinkage import RowMoments, shrink, shrinkage_intensity
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from panther_lite.conversion.calibration.shrinkage import (
+    MULTIPLES, HeldBack, RowMoments, choose_strength, shrink, shrinkage_intensity,
+)
+from panther_lite.nn import SKLinear
 from panther_lite.conversion.kinds.linear import cluster_size
 
 
@@ -100,17 +108,116 @@ def test_the_report_says_when_a_layer_saw_fewer_rows_than_inputs(sequential):
     assert not report.loc[1, "reason"]
 
 
-def test_the_fit_whitens_by_the_shrunk_gram():
+def test_the_fit_whitens_by_the_gram_shrunk_by_a_fixed_strength():
     torch.manual_seed(0)
     layer = nn.Linear(32, 24, dtype=torch.float64)
     x = correlated_rows(48)
     model = nn.Sequential(layer)
     dense_weight = layer.weight.detach().clone()
-    panther_lite.convert(model, num_terms=1, low_rank=3, calibration_data=[x], progress=False)
-    alpha, _ = intensity_of(x)
-    gram = shrink(x.t() @ x, alpha)
+    report = panther_lite.convert(model, num_terms=1, low_rank=3, calibration_data=[x], shrinkage=0.3, progress=False)
+    assert report.loc[0, "shrinkage"] == 0.3 and report.loc[0, "calibration_rows"] == 48
+    gram = shrink(x.t() @ x, 0.3)
     eigvals, eigvecs = torch.linalg.eigh(gram + 1e-4 * gram.diagonal().mean() * torch.eye(32, dtype=torch.float64))
     root = (eigvecs * eigvals.sqrt()) @ eigvecs.t()
     basis = torch.linalg.svd(dense_weight @ root).U[:, :6]
     expected = basis @ basis.t() @ dense_weight
     torch.testing.assert_close(model[0].effective_weight().detach(), expected, rtol=1e-8, atol=1e-10)
+
+
+def test_shrinkage_zero_is_the_unshrunk_fit_bit_for_bit():
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 24)
+    x = correlated_rows(48).float()
+    expected = SKLinear.from_linear(
+        layer, 1, 3, init="svd", gram=torch.zeros(32, 32, dtype=torch.float64).addmm_(x.double().t(), x.double())
+    )
+    for off in (0, 0.0, None):
+        model = nn.Sequential(copy.deepcopy(layer))
+        report = panther_lite.convert(model, num_terms=1, low_rank=3, calibration_data=[x], shrinkage=off, progress=False)
+        assert report.loc[0, "shrinkage"] == 0.0
+        for name, tensor in expected.state_dict().items():
+            assert torch.equal(model[0].state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize(
+    "value, error, words",
+    [(-0.1, ValueError, "[0, 1]"), (1.5, ValueError, "[0, 1]"), (float("nan"), ValueError, "nan"),
+     ("sometimes", ValueError, "'sometimes'"), (True, TypeError, "bool"), ([0.1], TypeError, "list")],
+)
+def test_bad_shrinkage_values_are_named(value, error, words):
+    with pytest.raises(error, match="shrinkage") as raised:
+        panther_lite.ConvertConfig(param_ratio=0.5, shrinkage=value)
+    assert words in str(raised.value)
+
+
+def low_rank_plus_noise(seed, clusters, length, width, rank, noise):
+    generator = torch.Generator().manual_seed(seed)
+    mix = torch.randn(rank, width, dtype=torch.float64, generator=generator)
+    x = torch.randn(clusters, length, rank, dtype=torch.float64, generator=generator) @ mix
+    return x + noise * torch.randn(clusters, length, width, dtype=torch.float64, generator=generator)
+
+
+def explicit_held_error(weight, rank, train_rows, test_rows, strength):
+    """‖X_test (W − QQᵀW)ᵀ‖² from the rows themselves, Q the exact fit's basis on the train rows' shrunk Gram."""
+    gram = shrink(train_rows.t() @ train_rows, strength)
+    values, vectors = torch.linalg.eigh(gram + 1e-4 * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype))
+    basis = torch.linalg.svd(weight @ ((vectors * values.clamp_min(0).sqrt()) @ vectors.t())).U[:, :rank]
+    return float((test_rows @ (weight - basis @ basis.t() @ weight).t()).square().sum())
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10**6), clusters=st.integers(2, 12), length=st.integers(1, 6), shape=st.sampled_from([(8, 16), (20, 12)]),
+    rank=st.integers(1, 6), noise=st.floats(0.01, 2.0),
+)
+def test_auto_strength_is_never_worse_than_none_on_held_back_rows(seed, clusters, length, shape, rank, noise):
+    fan_out, fan_in = shape
+    x = low_rank_plus_noise(seed, clusters, length, fan_in, 3, noise)
+    rows = x.reshape(-1, fan_in)
+    moments, held = RowMoments(), HeldBack.empty(fan_in, None)
+    for chunk in x.split(5):  # several calls: the halves alternate across them
+        moments.add(chunk.reshape(-1, fan_in), length)
+        held.add(chunk.reshape(-1, fan_in), length)
+    weight = torch.randn(fan_out, fan_in, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    chosen = choose_strength(weight, rank, rows.t() @ rows, moments, held)
+    odd, even = x[1::2].reshape(-1, fan_in), x[0::2].reshape(-1, fan_in)  # the held half: every other sequence
+
+    def held_error(multiple):
+        alphas = [min(1.0, multiple * clustered_intensity(train, length)) for train in (odd, even)]  # a sequence: a cluster
+        return explicit_held_error(weight, rank, even, odd, alphas[1]) + explicit_held_error(weight, rank, odd, even, alphas[0])
+
+    assert chosen.multiple in (0.0,) + MULTIPLES
+    assert held_error(chosen.multiple) <= held_error(0.0) * (1 + 1e-9) + 1e-9
+    assert chosen.held_errors[chosen.multiple] == pytest.approx(held_error(chosen.multiple), rel=1e-6, abs=1e-9)
+    assert chosen.value == pytest.approx(min(1.0, chosen.multiple * clustered_intensity(rows, length)), abs=1e-12)
+
+
+def clustered_intensity(rows, length):
+    moments = RowMoments()
+    moments.add(rows, length)
+    return shrinkage_intensity(rows.t() @ rows, moments)
+
+
+def test_auto_keeps_the_unshrunk_fit_when_the_inputs_are_exactly_low_rank():
+    """The issue's regression: shrinking a rank-deficient Gram spends the rank on directions the inputs never take."""
+    x = low_rank_plus_noise(0, 64, 1, 32, 6, 1e-6).reshape(-1, 32)
+    model = nn.Sequential(nn.Linear(32, 16, dtype=torch.float64))
+    report = panther_lite.convert(model, num_terms=1, low_rank=4, calibration_data=[x], progress=False)
+    assert report.loc[0, "shrinkage"] == 0.0 and report.loc[0, "output_error"] < 1e-4
+    forced = panther_lite.convert(
+        nn.Sequential(nn.Linear(32, 16, dtype=torch.float64)), num_terms=1, low_rank=4, calibration_data=[x],
+        shrinkage=0.5, progress=False,
+    )
+    assert forced.loc[0, "output_error"] > 10 * report.loc[0, "output_error"]
+
+
+def test_auto_shrinks_isotropic_inputs_seen_through_few_rows():
+    """Inputs whose true covariance is the identity, seen through barely more rows than inputs:
+    the held-back rows ask for a strong shrinkage."""
+    x = torch.randn(48, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    report = panther_lite.convert(
+        nn.Sequential(nn.Linear(32, 32, dtype=torch.float64)), num_terms=1, low_rank=4, calibration_data=[x],
+        progress=False,
+    )
+    assert report.loc[0, "shrinkage"] > 0.3

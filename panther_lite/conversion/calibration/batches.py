@@ -3,11 +3,13 @@ checked once; running one batch through a model; and the eval, no-grad run every
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Mapping, Optional
+from typing import Callable, Iterable, Iterator, List, Mapping, Optional
 
 import torch
 import torch.nn as nn
 from torch import Tensor
+
+from .tokens import MaskedCall, batch_token_mask, token_mask
 
 __all__ = ["CalibrationData", "ModelRun", "run_batch", "run_batch_or_callable", "evaluation_run"]
 
@@ -15,8 +17,15 @@ ModelRun = Callable[[nn.Module], object]
 
 
 def run_batch(model: nn.Module, batch, index: Optional[int] = None) -> object:
-    """``model(b)`` for a Tensor, ``model(*b)`` for a tuple/list, ``model(**b)`` for a dict;
-    ``index`` (the batch's position, when known) goes into the error for any other batch."""
+    """``model(b)`` for a Tensor, ``model(*b)`` for a tuple/list, ``model(**b)`` for a dict
+    (a :class:`~panther_lite.conversion.calibration.tokens.MaskedCall`: its batch), with the
+    batch's real-token mask current for the duration (:mod:`.tokens`); ``index`` (the batch's
+    position, when known) goes into the error for any other batch."""
+    with token_mask(batch_token_mask(batch)):
+        return _call(model, batch.batch if isinstance(batch, MaskedCall) else batch, index)
+
+
+def _call(model: nn.Module, batch, index: Optional[int]) -> object:
     if batch is None:
         where = "" if index is None else f" {index}"
         raise TypeError(
@@ -78,6 +87,11 @@ class CalibrationData:
     def first_batch(self):
         """The first batch of re-iterable data (None when there is none)."""
         return next(iter(self.source), None)
+
+    def token_masks(self) -> List[Optional[Tensor]]:
+        """The real-token mask of each batch of re-iterable data (None for a batch without
+        one; :func:`~panther_lite.conversion.calibration.tokens.batch_token_mask`), in order."""
+        return [batch_token_mask(batch) for batch in self.source] if self.reiterable else []
 
     def check_sequential(self) -> None:
         """ValueError without calibration data; TypeError unless it is a callable or can be

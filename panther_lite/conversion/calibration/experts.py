@@ -8,6 +8,12 @@ An expert that received fewer rows than a projection has inputs cannot be fitted
 ("data-free"), and the report lists it. In the global allocation's spectra such an expert
 counts with its weight's own spectrum scaled by its Gram's mean diagonal (its share of the
 calibration data's output energy, without the directions it cannot estimate).
+
+Only real tokens are routed rows here: while a batch's token mask is current
+(:mod:`.tokens`) and the experts' input is the block's ``(batch·seq, hidden)`` flattening of
+it, padded tokens enter no expert's statistics; inputs that do not line up use every row, and
+the report says so. ``shrinkage="auto"`` keeps no held-back half here: each expert's Gram is
+shrunk by its own Ledoit–Wolf ``α``; a number sets every expert's strength (0: off).
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from ...nn.experts_shell import expert_activation
 from ...nn.validation import check_finite
 from ..planning.allocation import whitened_energy
 from .shrinkage import RowMoments, shrink, shrinkage_intensity
+from .tokens import current_token_mask
 
 __all__ = ["ExpertsRecorder", "expert_energies"]
 
@@ -42,6 +49,7 @@ class ExpertsRecorder:
         self.moments = {part.projection: [RowMoments() for _ in range(experts)] for part in record.parts}
         self.expert_rows: List[int] = [0] * experts
         self.rows = 0
+        self.unaligned = False  # a token mask was active that the routed rows did not line up with
         self.last_input: Optional[Tensor] = None
 
     def _add(self, projection: str, expert: int, rows: Tensor) -> None:
@@ -50,6 +58,18 @@ class ExpertsRecorder:
         gram.add_((rows.t() @ rows).to(gram.device))
         self.moments[projection][expert].add(rows)
 
+    def _real_tokens(self, hidden: Tensor) -> Optional[Tensor]:
+        """The current token mask flattened to ``hidden``'s rows ``(tokens,)`` when they line up
+        (the block flattens ``(batch, seq)`` into its tokens); None without a mask or when they
+        do not (then every row counts, and :attr:`unaligned` says so)."""
+        mask = current_token_mask()
+        if mask is None:
+            return None
+        if hidden.dim() == 2 and hidden.shape[0] == mask.numel():
+            return mask.reshape(-1).to(hidden.device)
+        self.unaligned = True
+        return None
+
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         record = self.record
         hidden = record.kind.read_input(record.name, module, args, kwargs)
@@ -57,8 +77,10 @@ class ExpertsRecorder:
         self.last_input = hidden
         up, down = record.parts
         routed = index.reshape(hidden.shape[0], -1)
+        real = self._real_tokens(hidden)
         for expert in range(up.copies):
-            tokens = (routed == expert).any(-1).nonzero().squeeze(-1)
+            chosen = (routed == expert).any(-1)
+            tokens = (chosen if real is None else chosen & real).nonzero().squeeze(-1)
             if tokens.numel() == 0:
                 continue
             rows = hidden[tokens]
@@ -79,26 +101,37 @@ class ExpertsRecorder:
         """The experts whose rows are fewer than ``part``'s inputs (fitted to their weights alone)."""
         return [e for e, rows in enumerate(self.expert_rows) if rows < part.fan_in]
 
-    def fit_grams(self) -> Dict[str, Tensor]:
+    def strengths(self, part, setting) -> List[Optional[float]]:
+        """Per expert, the strength its ``part`` Gram is shrunk by: ``setting`` (the config's
+        ``shrinkage``) when it is a number, else (``"auto"``, no held-back half here) the
+        expert's Ledoit–Wolf ``α``; None for a data-free expert."""
+        free = set(self.data_free(part))
+        grams, moments = self.grams[part.projection], self.moments[part.projection]
+        if setting != "auto":
+            return [None if e in free else float(setting) for e in range(part.copies)]
+        return [None if e in free else shrinkage_intensity(grams[e], moments[e]) for e in range(part.copies)]
+
+    def fit_grams(self, setting="auto") -> Dict[str, Tensor]:
         """Per projection, the Grams the fit whitens by ``(E, fan_in, fan_in)``: each calibrated
-        expert's shrunk as far as its rows warrant, the identity for a data-free one."""
+        expert's shrunk by its :meth:`strengths`, the identity for a data-free one."""
         grams = {}
         for part in self.record.parts:
-            stack, free = self.grams[part.projection].clone(), set(self.data_free(part))
-            for e in range(part.copies):
-                if e in free:
+            stack = self.grams[part.projection].clone()
+            for e, strength in enumerate(self.strengths(part, setting)):
+                if strength is None:
                     stack[e] = torch.eye(part.fan_in, dtype=stack.dtype, device=stack.device)
                 else:
-                    stack[e] = shrink(stack[e], shrinkage_intensity(stack[e], self.moments[part.projection][e]))
+                    stack[e] = shrink(stack[e], strength)
             grams[part.projection] = stack
         return grams
 
 
-def expert_energies(record, recorder: Optional[ExpertsRecorder]) -> Dict[str, Tensor]:
-    """``{part name: (E, n) whitened spectra}`` of each projection (see the module docstring);
-    without statistics (or rows), each expert's weight spectrum."""
+def expert_energies(record, recorder: Optional[ExpertsRecorder], setting="auto") -> Dict[str, Tensor]:
+    """``{part name: (E, n) whitened spectra}`` of each projection (see the module docstring),
+    the Grams shrunk as ``setting`` (the config's ``shrinkage``) says; without statistics (or
+    rows), each expert's weight spectrum."""
     calibrated = recorder is not None and recorder.rows > 0
-    grams = recorder.fit_grams() if calibrated else {}
+    grams = recorder.fit_grams(setting) if calibrated else {}
     energies = {}
     for part in record.parts:
         free = set(recorder.data_free(part)) if calibrated else set()

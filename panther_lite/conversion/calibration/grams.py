@@ -23,35 +23,47 @@ from ..kinds.base import layer_input
 from ..records import LayerRecord
 from ..rules import progress_bar
 from .batches import CalibrationData, ModelRun, evaluation_run, run_batch, run_batch_or_callable
-from .shrinkage import RowMoments, shrink, shrinkage_intensity
+from .shrinkage import HeldBack, RowMoments, layer_strength, shrink
+from .tokens import layer_rows
 
 
 class GramRecorder:
     """Forward pre-hook (``with_kwargs=True``) accumulating ``XᵀX`` (float64) of one layer's
-    inputs in a ``(fan_in, fan_in)`` matrix on ``device`` (None: the layer's device)."""
+    inputs in a ``(fan_in, fan_in)`` matrix on ``device`` (None: the layer's device), from its
+    real tokens' rows (:mod:`.tokens`); with ``held_back``, also the statistics of every other
+    cluster of rows that ``shrinkage="auto"`` checks its strength on (:class:`.shrinkage.HeldBack`)."""
 
-    def __init__(self, record: LayerRecord, device: Optional[torch.device] = None) -> None:
+    def __init__(self, record: LayerRecord, device: Optional[torch.device] = None, held_back: bool = False) -> None:
         self.record = record
         device = record.device if device is None else device
         self.gram = torch.zeros(record.fan_in, record.fan_in, dtype=torch.float64, device=device)
-        self.rows = 0
         self.moments = RowMoments()  # beside the Gram, for its shrinkage
+        self.held = HeldBack.empty(record.fan_in, device) if held_back else None
+        self.unaligned = False  # a token mask was active that the layer's inputs did not line up with
         self.last_input: Optional[Tensor] = None  # what the group's other layers must receive
 
-    def _add(self, rows: Tensor, rows_per_cluster: int = 1) -> None:
+    @property
+    def rows(self) -> int:
+        """The real rows recorded (padding not counted)."""
+        return self.moments.rows
+
+    def _add(self, rows: Tensor, rows_per_cluster: int, real: Optional[Tensor]) -> None:
         rows = rows.detach().to(torch.float64)
         if rows.device == self.gram.device:
             self.gram.addmm_(rows.t(), rows)
         else:  # the product runs where the activations are; only its result is moved
             self.gram.add_((rows.t() @ rows).to(self.gram.device))
-        self.moments.add(rows, rows_per_cluster)
-        self.rows += rows.shape[0]
+        self.moments.add(rows, rows_per_cluster, real)
+        if self.held is not None:
+            self.held.add(rows, rows_per_cluster, real)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = self.record.kind.read_input(self.record.name, module, args, kwargs)
         self.last_input = x
-        for rows, rows_per_cluster in self.record.kind.input_rows(module, x):
-            self._add(rows, rows_per_cluster)
+        found = layer_rows(self.record.kind, module, x)
+        self.unaligned = self.unaligned or found.unaligned
+        for (rows, rows_per_cluster), real in zip(found.chunks, found.real):
+            self._add(rows, rows_per_cluster, real)
 
     def statistics(self) -> List[Tensor]:
         """The accumulated statistics, checked finite after each calibration batch."""
@@ -65,11 +77,25 @@ class GramRecorder:
         check_finite("the Gram XᵀX of its calibration inputs", self.gram, layer=self.record.name)
         return self.gram
 
-    def fit_gram(self) -> Optional[Tensor]:
-        """The Gram the fit whitens by: :meth:`finite_gram` shrunk towards its diagonal as
-        far as its rows warrant (:mod:`.shrinkage`); None when no batch reached the layer."""
-        gram = self.finite_gram()
-        return None if gram is None else shrink(gram, shrinkage_intensity(gram, self.moments))
+    def strength(self, setting, record: LayerRecord, rank: int) -> float:
+        """The shrinkage strength of ``record``'s rank-``rank`` fit (``setting``: the config's
+        ``shrinkage``, :func:`.shrinkage.layer_strength`); call only when :meth:`finite_gram` is not None."""
+        weight = record.weight_matrix()
+        return layer_strength(setting, weight, rank, self.gram, self.moments, self.held)
+
+
+def spectrum_gram(recorder: Optional[GramRecorder], record: LayerRecord, config) -> Optional[Tensor]:
+    """The Gram a global plan reads ``record``'s whitened spectrum from, before its rank is
+    known: shrunk (``config.shrinkage``) by the strength of a fit at the rank the uniform
+    ``config.param_ratio`` would give it (``ratio·fan_in·fan_out / (fan_in + fan_out)``); None
+    without a recorder or when no batch reached the layer."""
+    gram = None if recorder is None else recorder.finite_gram()
+    if gram is None:
+        return None
+    ratio = config.sizes.default
+    rank = max(1, int(ratio * record.fan_in * record.fan_out / (record.fan_in + record.fan_out)))
+    strength = recorder.strength(config.shrinkage, record, rank)
+    return shrink(gram, strength) if strength else gram
 
 
 class _SameInput:
@@ -158,14 +184,16 @@ def _recording_first(batches: Iterable, first: List) -> Iterator:
         yield batch
 
 
-def _record(model: nn.Module, groups: List[List[LayerRecord]], calibration_data, progress, device, first: List):
+def _record(
+    model: nn.Module, groups: List[List[LayerRecord]], calibration_data, progress, device, first: List, held_back: bool
+):
     """One calibration run: ``({name: recorder}, groups whose members did not share inputs)``."""
     recorders: Dict[str, GramRecorder] = {}
     checks: List[Tuple[List[LayerRecord], List[_SameInput]]] = []
     handles = []
     try:
         for group in groups:
-            leader = group[0].kind.recorder(group[0], device)
+            leader = group[0].kind.recorder(group[0], device, held_back)
             handles.append(group[0].module.register_forward_pre_hook(leader, with_kwargs=True))
             members = [_SameInput(leader) for _ in group[1:]]
             handles += [r.module.register_forward_pre_hook(m, with_kwargs=True) for r, m in zip(group[1:], members)]
@@ -196,11 +224,13 @@ def collect_grams(
     data: CalibrationData,
     progress: Optional[bool],
     device: Optional[torch.device] = None,
+    held_back: bool = False,
 ) -> Calibration:
     """Run the calibration ``data`` through ``model`` in eval mode and no_grad, recording each
     layer's input Gram on ``device`` (None: the layer's own), one per group of layers with
-    identical inputs when the data can be run again; hooks and every module's training flag
-    are restored afterwards."""
+    identical inputs when the data can be run again, from the batches' real tokens; with
+    ``held_back`` (``shrinkage="auto"``) also each Gram's held-back half. Hooks and every
+    module's training flag are restored afterwards."""
     groups = [[record] for record in records]
     calibration_data = data.source
     if data.reiterable:
@@ -209,10 +239,10 @@ def collect_grams(
             order = group_layers(model, records, first_batch)
             groups = order.groups + [[record] for record in order.unreached]
     first: List = []
-    recorders, broken = _record(model, groups, calibration_data, progress, device, first)
+    recorders, broken = _record(model, groups, calibration_data, progress, device, first, held_back)
     if broken:  # rare: inputs identical on the first batch only; record those layers alone
         alone = [[record] for group in broken for record in group]
-        recorders.update(_record(model, alone, calibration_data, False, device, [])[0])
+        recorders.update(_record(model, alone, calibration_data, False, device, [], held_back)[0])
     if callable(calibration_data):
         return Calibration(recorders, calibration_data)
     return Calibration(recorders, (lambda m: run_batch(m, first[0])) if first else None)

@@ -30,17 +30,39 @@ cluster-robust one,
 with ``G_c`` a cluster's own Gram (exact for equal cluster sizes; single rows give the
 formula above). ``‖G_c‖² = ‖X_c X_cᵀ‖²`` costs ``T²·fan_in`` per sequence, and the only
 statistics kept beside the Gram are two scalars (:class:`RowMoments`).
+
+The estimate's *shape* (how ``α`` falls with the rows and the data's noise) is sound, its scale
+less so: on MiniLM's layers the shrunk fits trailed the unshrunk ones. ``shrinkage="auto"``
+(the default of :class:`~panther_lite.conversion.ConvertConfig`) therefore checks it on
+held-back rows (:func:`choose_strength`): the clusters are split in two alternating halves
+(:class:`HeldBack` records one), each half's fit at the layer's rank is made with ``c·α`` of
+its own rows for ``c`` in ``0`` and :data:`MULTIPLES` and measured on the other half, and the
+``c`` with the smallest summed held-back output error (``c = 0``, no shrinkage, on a tie) sets
+the strength ``c·α`` of all the rows. So the strength used is never worse than none on the
+held-back rows. A float fixes the strength; ``0`` or None turns shrinkage off.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Union
 
 import torch
 from torch import Tensor
 
+from ...nn.low_rank_fit import decomposition_dtype
 from ..records import LayerRecord
+from .tokens import UNALIGNED_NOTE
 
-__all__ = ["RowMoments", "shrinkage_intensity", "shrink", "note_few_rows"]
+__all__ = [
+    "RowMoments", "HeldBack", "Strength", "MULTIPLES", "shrinkage_intensity", "shrink", "choose_strength",
+    "layer_strength", "note_calibration",
+]
+
+MULTIPLES = (0.5, 1.0, 2.0)
+"""The multiples ``c`` of the Ledoit–Wolf ``α`` that ``shrinkage="auto"`` tries besides ``c = 0``."""
+
+Setting = Union[str, float]
+_DAMPING = 1e-4  # the ridge the fits add to a Gram, relative to its mean diagonal (low_rank_fit's default)
 
 
 class RowMoments:
@@ -53,9 +75,10 @@ class RowMoments:
         self.cluster_rows_squared = 0
         self.cluster_off_diagonal: Optional[Tensor] = None
 
-    def add(self, rows: Tensor, cluster_size: int = 1) -> None:
+    def add(self, rows: Tensor, cluster_size: int = 1, real: Optional[Tensor] = None) -> None:
         """Accumulate rows ``(n, fan_in)`` (float64), each run of ``cluster_size`` consecutive
-        rows one cluster (``n`` a multiple of it)."""
+        rows one cluster (``n`` a multiple of it); ``real``: the count of real rows per cluster
+        (the others are zeroed padding; None: all are real)."""
         clusters = rows.reshape(-1, cluster_size, rows.shape[-1])
         if cluster_size == 1:
             squares = rows.square()
@@ -68,8 +91,46 @@ class RowMoments:
             self.cluster_off_diagonal = off_diagonal
         else:
             self.cluster_off_diagonal = self.cluster_off_diagonal + off_diagonal.to(self.cluster_off_diagonal)
-        self.rows += rows.shape[0]
-        self.cluster_rows_squared += clusters.shape[0] * cluster_size**2
+        if real is None:
+            self.rows += rows.shape[0]
+            self.cluster_rows_squared += clusters.shape[0] * cluster_size**2
+        else:
+            self.rows += int(real.sum())
+            self.cluster_rows_squared += int(real.square().sum())
+
+    def __sub__(self, other: "RowMoments") -> "RowMoments":
+        """The moments of the rows counted here but not in ``other`` (a subset of them)."""
+        rest = RowMoments()
+        rest.rows, rest.cluster_rows_squared = self.rows - other.rows, self.cluster_rows_squared - other.cluster_rows_squared
+        if self.cluster_off_diagonal is not None:
+            held = 0 if other.cluster_off_diagonal is None else other.cluster_off_diagonal.to(self.cluster_off_diagonal)
+            rest.cluster_off_diagonal = self.cluster_off_diagonal - held
+        return rest
+
+
+@dataclass
+class HeldBack:
+    """The Gram and moments of every other cluster (the 2nd, 4th, ...) of a layer's rows: one
+    half of :func:`choose_strength`'s split (the other half is the whole minus this one)."""
+
+    gram: Tensor
+    moments: RowMoments = field(default_factory=RowMoments)
+    clusters: int = 0
+
+    @classmethod
+    def empty(cls, fan_in: int, device) -> "HeldBack":
+        return cls(torch.zeros(fan_in, fan_in, dtype=torch.float64, device=device))
+
+    def add(self, rows: Tensor, cluster_size: int = 1, real: Optional[Tensor] = None) -> None:
+        """Accumulate the held half of rows ``(n, fan_in)`` (float64), clusters as in :meth:`RowMoments.add`."""
+        clusters = rows.reshape(-1, cluster_size, rows.shape[-1])
+        first = 1 - self.clusters % 2  # clusters are numbered across calls; the odd ones are held
+        self.clusters += clusters.shape[0]
+        held = clusters[first::2].reshape(-1, rows.shape[-1])
+        if held.shape[0] == 0:
+            return
+        self.gram.add_((held.t() @ held).to(self.gram.device))
+        self.moments.add(held, cluster_size, None if real is None else real[first::2])
 
 
 def shrinkage_intensity(gram: Tensor, moments: RowMoments) -> float:
@@ -93,11 +154,105 @@ def shrink(matrix: Tensor, intensity: float) -> Tensor:
     return shrunk
 
 
-def note_few_rows(record: LayerRecord, moments: RowMoments, intensity: float) -> None:
-    """Say in ``record.reason`` (the report) when the layer saw fewer calibration rows than
-    it has inputs, and how much its statistics were shrunk for it."""
-    if 0 < moments.rows < record.fan_in:
+@dataclass(frozen=True)
+class Strength:
+    """:func:`choose_strength`'s result: ``value``, the strength for all the rows (``multiple``
+    times their Ledoit–Wolf ``α``), and ``held_errors``, per multiple tried, the summed squared
+    output error ``Σ‖X_held (W − Ŵ)ᵀ‖²`` of the two halves' fits on the other half."""
+
+    value: float
+    multiple: float
+    held_errors: Dict[float, float]
+
+
+class _Half:
+    """One half of the split: the Gram the fit is made on (``train``, its Ledoit–Wolf ``base``
+    strength from ``moments``) and the one it is measured on (``test``). Each fit is the exact
+    one (its basis ``Q``: top left singular vectors of ``W·C``, ``C² = G_α + λI`` damped as the
+    layers' fits are), found on the smaller side: where ``fan_out <= fan_in`` from
+    ``W (G_α + λI) Wᵀ``, which ``G_α = (1 − α)G + α·diag(G)`` makes a blend of three
+    ``(fan_out, fan_out)`` matrices computed once."""
+
+    def __init__(self, weight: Tensor, train: Tensor, moments: RowMoments, test: Tensor) -> None:
+        self.weight, self.train, self.test = weight, train, test.to(weight)
+        self.base = shrinkage_intensity(train, moments)
+        self.reference = float(((weight @ self.test) * weight).sum())  # ‖X_test Wᵀ‖²
+        diagonal = train.diagonal().to(weight)
+        self.ridge = _DAMPING * max(float(diagonal.mean()), torch.finfo(torch.float64).tiny)
+        if weight.shape[0] <= weight.shape[1]:  # W G_α Wᵀ as a blend
+            self.blend = ((weight @ train.to(weight)) @ weight.t(), (weight * diagonal) @ weight.t(), weight @ weight.t())
+        else:
+            self.blend = None
+            self.normal = weight.t() @ weight  # WᵀW, for C WᵀW C
+
+    def error(self, strength: float, rank: int) -> float:
+        """``‖X_test (W − QQᵀW)ᵀ‖²`` for the rank-``rank`` fit whitened by the train Gram shrunk by ``strength``."""
+        projected = self._projected(strength, min(rank, *self.weight.shape))
+        return self.reference - float(((projected @ self.test) * projected).sum())
+
+    def _projected(self, strength: float, rank: int) -> Tensor:
+        """``QᵀW`` ``(rank, fan_in)`` for the exact fit's basis ``Q``: the top eigenvectors of
+        ``W (G_α + λI) Wᵀ``, or (``fan_out > fan_in``) ``Q = W C V Σ⁻¹`` from the top
+        eigenpairs ``(Σ², V)`` of ``C WᵀW C`` with ``C² = G_α + λI``."""
+        if self.blend is not None:
+            full, diagonal, normal = self.blend
+            square = (1.0 - strength) * full + strength * diagonal + self.ridge * normal
+            basis = torch.linalg.eigh(0.5 * (square + square.t()))[1].flip(1)[:, :rank]
+            return basis.t() @ self.weight
+        shrunk = shrink(self.train.to(self.weight), strength)
+        shrunk.diagonal().add_(self.ridge)
+        values, vectors = torch.linalg.eigh(shrunk)
+        root = (vectors * values.clamp_min(0).sqrt()) @ vectors.t()
+        square = root @ self.normal @ root
+        values, vectors = torch.linalg.eigh(0.5 * (square + square.t()))
+        values, vectors = values.flip(0)[:rank], vectors.flip(1)[:, :rank]
+        basis = (self.weight @ (root @ vectors)) / values.clamp_min(torch.finfo(values.dtype).tiny).sqrt()
+        return basis.t() @ self.weight
+
+
+def choose_strength(
+    weight: Tensor, rank: int, gram: Tensor, moments: RowMoments, held: HeldBack
+) -> Strength:
+    """The shrinkage strength chosen on held-back rows (see the module docstring) for the
+    rank-``rank`` fit of ``weight`` ``(fan_out, fan_in)`` whitened by ``gram`` (of the rows
+    ``moments`` counted, ``held`` the statistics of half of them); strength 0 when a half
+    holds no row (nothing to check against). Costs ``2·(1 + len(MULTIPLES))`` eigendecompositions
+    on the layer's smaller side, besides products with the Grams."""
+    rest = moments - held.moments
+    if held.moments.rows == 0 or rest.rows == 0:
+        return Strength(0.0, 0.0, {})
+    w = weight.detach().to(decomposition_dtype(weight))
+    halves = (_Half(w, gram - held.gram, rest, held.gram), _Half(w, held.gram, held.moments, gram - held.gram))
+    errors: Dict[float, float] = {}
+    for multiple in (0.0,) + MULTIPLES:
+        if multiple and not any(half.base for half in halves):
+            break
+        errors[multiple] = sum(half.error(min(1.0, multiple * half.base), rank) for half in halves)
+    best = min(errors, key=lambda multiple: (errors[multiple], multiple))
+    return Strength(min(1.0, best * shrinkage_intensity(gram, moments)), best, errors)
+
+
+def layer_strength(
+    setting: Setting, weight: Tensor, rank: int, gram: Tensor, moments: RowMoments, held: Optional[HeldBack]
+) -> float:
+    """The strength a fit whitened by ``gram`` uses: ``setting`` when it is a number (the
+    config's ``shrinkage``; 0 is off), else (``"auto"``) :func:`choose_strength` on ``held``
+    (0 without held-back statistics)."""
+    if setting != "auto":
+        return float(setting)
+    if held is None:
+        return 0.0
+    return choose_strength(weight, rank, gram, moments, held).value
+
+
+def note_calibration(record: LayerRecord, rows: int, intensity: float, unaligned: bool = False) -> None:
+    """Add to ``record``'s reason (the report) when the layer saw fewer real calibration rows
+    than it has inputs, and how much its statistics were shrunk for it, and when its inputs
+    did not line up with the batches' attention mask (all rows, padding too, were used)."""
+    if 0 < rows < record.fan_in:
         record.note(
-            f"calibrated on {moments.rows} rows, fewer than its {record.fan_in} inputs: "
-            f"correlations shrunk by {intensity:.2f} towards the diagonal"
+            f"calibrated on {rows} rows, fewer than its {record.fan_in} inputs: correlations shrunk by "
+            f"{intensity:.2f} towards the diagonal"
         )
+    if unaligned:
+        record.note(UNALIGNED_NOTE)

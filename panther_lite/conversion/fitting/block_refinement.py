@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.nn as nn
@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from ..calibration.batches import run_batch
+from ..calibration.tokens import zero_padding
 from ..config import RefineConfig
 from ..records import LayerRecord
 from .layer import FitResult
@@ -37,7 +38,8 @@ class FittedBlock:
     (:class:`~panther_lite.conversion.pipelines.blocks.BlockRunner`); ``calls``: the cached
     inputs the converted block receives; ``targets``: the original block's hidden-state
     outputs it should reproduce, one per call (on the original stream's inputs under
-    ``sequential=True``, else on ``calls``); ``predict(i)``: the converted block's output on
+    ``sequential=True``, else on ``calls``); ``masks``: the token mask of each call's batch
+    (None: every position is data); ``predict(i)``: the converted block's output on
     ``calls[i]`` (with autograd, for refining its parameters)."""
 
     index: int
@@ -48,10 +50,22 @@ class FittedBlock:
     fits: Dict[str, FitResult]
     calls: List[tuple]
     targets: List[Tensor]
+    masks: Optional[List[Optional[Tensor]]] = None
 
     def predict(self, index: int) -> Tensor:
         output = run_batch(self.runner, self.calls[index])
         return output if isinstance(output, Tensor) else output[0]
+
+    def mask(self, index: int) -> Optional[Tensor]:
+        return None if not self.masks else self.masks[index]
+
+    def real_predict(self, index: int) -> Tensor:
+        """:meth:`predict` with the padded positions zeroed (they are no data to reproduce)."""
+        return zero_padding(self.predict(index), self.mask(index))
+
+    def real_targets(self) -> List[Tensor]:
+        """``targets`` with the padded positions zeroed, as :meth:`real_predict`."""
+        return [zero_padding(target, self.mask(index)) for index, target in enumerate(self.targets)]
 
 
 AfterFit = Callable[[FittedBlock], None]
@@ -101,7 +115,8 @@ class BlockRefiner:
     """Called with each :class:`FittedBlock`: Adam on
     the factors and biases of the layers this conversion just fitted in the block (in float32
     for a half-precision block) so that the converted block reproduces the original block's
-    outputs on the cached calls, stopping early on held-back calls. A layer it changed reads
+    outputs on the cached calls (at their real tokens: padded positions count in no loss),
+    stopping early on held-back calls. A layer it changed reads
     ``init="<fit>+refined"`` in the report with its ``weight_error`` measured again
     (``output_error`` stays the closed-form fit's). ``results``: one dict per refined block
     (``REFINEMENT_COLUMNS``); a block with no new layer is not refined."""
@@ -116,7 +131,7 @@ class BlockRefiner:
             return
         with _only_these_train(fitted.block, parameters), _in_float32(fitted.block) as widened:
             work = _float32_calls(fitted) if widened else fitted
-            result = refine_block(parameters, work.predict, work.targets, progress=False, **self.settings)
+            result = refine_block(parameters, work.real_predict, work.real_targets(), progress=False, **self.settings)
         self.results.append({"block": fitted.index, "name": fitted.name, **dataclasses.asdict(result)})
         if result.error_after < result.error_before:
             for record in fitted.records:

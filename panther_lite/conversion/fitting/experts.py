@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ..calibration.experts import ExpertsRecorder
+from ..calibration.tokens import UNALIGNED_NOTE
 from .layer import FitResult, error_ratio, output_error_terms
 from .planned import warn_uncalibrated
 
@@ -40,9 +41,12 @@ def _ratio(terms: Terms) -> float:
     return error_ratio(sum(n for n, _ in terms), sum(d for _, d in terms))
 
 
-def _part_fit(part, projection, new, recorder: Optional[ExpertsRecorder], init: str) -> Tuple[FitResult, Terms, Terms]:
-    """The report's figures of one projection, with the per-expert columns, and the per-expert
-    ``(numerator, denominator)`` terms of its weight and output errors."""
+def _part_fit(
+    part, projection, new, recorder: Optional[ExpertsRecorder], init: str, strengths: Optional[List[Optional[float]]]
+) -> Tuple[FitResult, Terms, Terms]:
+    """The report's figures of one projection, with the per-expert columns (``strengths``: each
+    expert's shrinkage, None without a whitened fit), and the per-expert ``(numerator,
+    denominator)`` terms of its weight and output errors."""
     weight_terms = _weight_terms(part, projection)
     output_terms = []
     if recorder is not None:
@@ -58,10 +62,14 @@ def _part_fit(part, projection, new, recorder: Optional[ExpertsRecorder], init: 
         expert_weight_errors=[error_ratio(*terms) for terms in weight_terms],
         expert_output_errors=[error_ratio(*terms) for terms in output_terms] or None,
         data_free_experts=None if recorder is None else recorder.data_free(part),
+        expert_shrinkage=strengths,
     )
+    shared = {strength for strength in strengths or () if strength is not None}
     fit = FitResult(
         module=new, init=init, trainable_params=counts.trainable, stored_params=counts.stored,
-        weight_error=_ratio(weight_terms), output_error=_ratio(output_terms) if output_terms else math.nan, extra=extra,
+        weight_error=_ratio(weight_terms), output_error=_ratio(output_terms) if output_terms else math.nan,
+        calibration_rows=None if recorder is None else recorder.rows,
+        shrinkage=shared.pop() if len(shared) == 1 else math.nan, extra=extra,
     )
     return fit, weight_terms, output_terms
 
@@ -75,15 +83,20 @@ def _note_data_free(part, free: List[int], rows: List[int]) -> None:
         )
 
 
-def fit_experts(record, recorder: Optional[ExpertsRecorder], init: str, seed: Optional[int], fit: str) -> FitResult:
-    """The SKExperts of ``record`` at its parts' planned sizes (see the module docstring); a
+def fit_experts(
+    record, recorder: Optional[ExpertsRecorder], init: str, seed: Optional[int], fit: str, shrinkage="auto"
+) -> FitResult:
+    """The SKExperts of ``record`` at its parts' planned sizes (see the module docstring), each
+    expert's Gram shrunk as ``shrinkage`` says (:meth:`ExpertsRecorder.strengths`); a
     recorder no batch reached fits every expert to its weights with a warning."""
     calibrated = recorder is not None and recorder.rows > 0
     if recorder is not None and not calibrated:
         warn_uncalibrated(record)
     if calibrated:
         recorder.check_finite()
-    grams = recorder.fit_grams() if calibrated and init == "svd" else None
+        if recorder.unaligned:
+            record.note(UNALIGNED_NOTE)
+    grams = recorder.fit_grams(shrinkage) if calibrated and init == "svd" else None
     sizes = record.sizes
     new = record.kind.build(record.module, *next(iter(sizes.values())), sizes=sizes, init=init, seed=seed, gram=grams, fit=fit)
     record.kind.match_trainability(new, record.module)
@@ -92,7 +105,9 @@ def fit_experts(record, recorder: Optional[ExpertsRecorder], init: str, seed: Op
     weights: Terms = []
     outputs: Terms = []
     for part, projection in zip(record.parts, new.projections()):
-        parts[part.name], weight_terms, output_terms = _part_fit(part, projection, new, recorder if calibrated else None, label)
+        strengths = recorder.strengths(part, shrinkage) if grams is not None else None
+        found = _part_fit(part, projection, new, recorder if calibrated else None, label, strengths)
+        parts[part.name], weight_terms, output_terms = found
         weights, outputs = weights + weight_terms, outputs + output_terms
         if grams is not None:
             _note_data_free(part, recorder.data_free(part), recorder.expert_rows)
@@ -100,7 +115,8 @@ def fit_experts(record, recorder: Optional[ExpertsRecorder], init: str, seed: Op
         module=new, init=label,
         trainable_params=sum(fit.trainable_params for fit in parts.values()),
         stored_params=sum(fit.stored_params for fit in parts.values()),
-        weight_error=_ratio(weights), output_error=_ratio(outputs) if outputs else math.nan, parts=parts,
+        weight_error=_ratio(weights), output_error=_ratio(outputs) if outputs else math.nan,
+        calibration_rows=recorder.rows if calibrated else None, parts=parts,
     )
 
 

@@ -15,9 +15,12 @@ from ..records import LayerRecord
 
 @dataclass
 class FitResult:
-    """A fitted replacement and the report's figures for it. A layer of several weight stacks
-    (a mixture-of-experts module) has a FitResult per part in ``parts`` (by part name, with
-    ``module`` the whole layer), each with its own report columns in ``extra``."""
+    """A fitted replacement and the report's figures for it: ``calibration_rows``, the real
+    (unpadded) calibration rows it was fitted on (None without calibration), ``shrinkage``,
+    the strength its whitening Gram was shrunk by (NaN when no Gram whitened the fit). A layer
+    of several weight stacks (a mixture-of-experts module) has a FitResult per part in
+    ``parts`` (by part name, with ``module`` the whole layer), each with its own report
+    columns in ``extra``."""
 
     module: nn.Module
     init: str
@@ -25,6 +28,8 @@ class FitResult:
     stored_params: int
     weight_error: float
     output_error: float
+    calibration_rows: Optional[int] = None
+    shrinkage: float = math.nan
     parts: Dict[str, "FitResult"] = field(default_factory=dict)
     extra: Dict[str, object] = field(default_factory=dict)
 

@@ -3,13 +3,15 @@ weight alone), or sequentially against the original layers' outputs; layers the 
 reached are fitted to their weights with a warning."""
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Dict, List, Optional
 
 import torch.nn as nn
 
 from ..calibration.grams import Calibration, GramRecorder
-from ..calibration.shrinkage import note_few_rows, shrinkage_intensity
+from ..calibration.shrinkage import note_calibration, shrink
+from ..calibration.tokens import UNALIGNED_NOTE
 from ..config import ConvertConfig
 from ..records import LayerRecord
 from ..rules import layer_seed, progress_bar
@@ -25,39 +27,50 @@ def warn_uncalibrated(record: LayerRecord) -> None:
 
 
 def fit_from_gram(
-    record: LayerRecord, recorder: Optional[GramRecorder], init: str, seed: Optional[int], fit: str
+    record: LayerRecord, recorder: Optional[GramRecorder], init: str, seed: Optional[int], fit: str, shrinkage="auto"
 ) -> FitResult:
     """The fit of a one-matrix layer from its Gram recorder (None: from its weight alone; a
-    recorder no batch reached: the same, with a warning), its statistics shrunk as their rows
-    warrant (the report says so when they are fewer than the layer's inputs). A routed expert
-    that received fewer rows than it has inputs is fitted to its weight alone (data-free)."""
+    recorder no batch reached: the same, with a warning), its Gram shrunk as ``shrinkage``
+    (the config's option) says for a fit at the layer's rank (the report says so when its
+    real rows are fewer than its inputs). A routed expert that received fewer rows than it has
+    inputs is fitted to its weight alone (data-free)."""
     gram = None if recorder is None else recorder.finite_gram()
     if recorder is not None and gram is None:
         warn_uncalibrated(record)
-    if gram is not None and record.routed and recorder.rows < record.fan_in:
+    if gram is None:
+        return fit_layer(record, init, gram, seed, fit)
+    strength = fit_gram = None
+    if record.routed and recorder.rows < record.fan_in:
         record.note(
             f"routed expert: received {recorder.rows} calibration rows, fewer than its {record.fan_in} inputs: "
             "fitted to its weight alone (data-free)"
         )
-        return fit_layer(record, init, gram, seed, fit, whiten=False)
-    fit_gram = None if gram is None else recorder.fit_gram()
-    if fit_gram is not None:
-        note_few_rows(record, recorder.moments, shrinkage_intensity(gram, recorder.moments))
-    return fit_layer(record, init, gram, seed, fit, fit_gram)
+        result = fit_layer(record, init, gram, seed, fit, whiten=False)
+    else:
+        if init == "svd":
+            strength = recorder.strength(shrinkage, record, record.rank)
+            fit_gram = shrink(gram, strength) if strength else gram
+        note_calibration(record, recorder.rows, 0.0 if strength is None else strength)
+        result = fit_layer(record, init, gram, seed, fit, fit_gram)
+    if recorder.unaligned:
+        record.note(UNALIGNED_NOTE)
+    result.calibration_rows = recorder.rows
+    result.shrinkage = math.nan if strength is None else strength
+    return result
 
 
 def fit_all(
     todo: List[LayerRecord], config: ConvertConfig, calibration: Optional[Calibration], first_index: int = 0,
     progress: Optional[bool] = False,
 ) -> Dict[str, FitResult]:
-    """Fit every planned layer from its statistics, as its kind does (layer ``i`` of ``todo`` is
-    layer ``first_index + i`` of the plan, for its seed), releasing each Gram as soon as the last
-    layer using it is fitted."""
+    """Fit every planned layer from its statistics, as its kind does, shrunk as
+    ``config.shrinkage`` says (layer ``i`` of ``todo`` is layer ``first_index + i`` of the
+    plan, for its seed), releasing each Gram as soon as the last layer using it is fitted."""
     fits = {}
     for index, record in enumerate(progress_bar(todo, "converting", "layer", progress)):
         recorder = None if calibration is None else calibration.recorders.get(record.name)
         seed = layer_seed(config.seed, first_index + index)
-        fits[record.name] = record.kind.fit(record, recorder, config.init, seed, config.fit)
+        fits[record.name] = record.kind.fit(record, recorder, config.init, seed, config.fit, config.shrinkage)
         if calibration is not None:
             calibration.release(record.name)
     return fits
@@ -85,6 +98,7 @@ def fit_planned(
     fits, unreached = fit_sequentially(
         model, todo, batches, seed=layer_seed(config.seed, first_index), device=config.calibration_device,
         progress=progress, fit=config.fit, converted_batches=converted_batches, prefitted=prefitted,
+        shrinkage=config.shrinkage,
     )
     for record in unreached:
         warn_uncalibrated(record)

@@ -6,8 +6,8 @@ dense model) and current inputs ``X̃`` (from the model whose earlier layers are
 replaced), the fit minimises ``‖X̃ Ŵᵀ − X Wᵀ‖_F`` over rank-``2Lk`` ``Ŵ``: a reduced-rank
 regression. With ``G̃ = X̃ᵀX̃`` and the cross statistic ``C = X̃ᵀX``, the least-squares map
 ``T`` solves ``(G̃_α + λI) Tᵀ = (C_α + λI) Wᵀ``, where ``G̃_α``, ``C_α`` have their
-off-diagonal entries shrunk by the Ledoit–Wolf ``α`` of ``X̃``'s rows
-(:mod:`~panther_lite.conversion.calibration.shrinkage`; at
+off-diagonal entries shrunk by the strength ``α`` the config's ``shrinkage``
+gives the fit whitened by ``G̃`` (:mod:`~panther_lite.conversion.calibration.shrinkage`; at
 ``α = 1`` each input is regressed on its own) and a small ridge ``λ`` = :data:`RIDGE` · mean
 diag ``G̃`` pulls ``T`` towards ``W`` where the inputs barely reach; and
 ``‖X̃ Ŵᵀ − X Wᵀ‖² = ‖X̃ (Ŵ − T)ᵀ‖² + const``, so the best ``Ŵ`` is the activation-aware fit of ``T`` whitened by ``G̃`` (``G̃_α`` as for the layers' own fit).
@@ -43,7 +43,8 @@ from torch import Tensor
 from ...nn.low_rank_fit import relative_error
 from ..calibration.batches import evaluation_run, run_batch_or_callable
 from ..calibration.grams import CallOrder, check_finite_inputs, group_layers
-from ..calibration.shrinkage import RowMoments, note_few_rows, shrink, shrinkage_intensity
+from ..calibration.shrinkage import HeldBack, RowMoments, layer_strength, note_calibration, shrink
+from ..calibration.tokens import LayerRows, layer_rows
 from ..records import LayerRecord
 from ..rules import layer_seed, progress_bar
 from ..surgery import swap_modules, undo_swaps
@@ -56,12 +57,14 @@ when ``X̃ = X``. The shrinkage does not replace it: on MiniLM calibrated on 54 
 ridge of 1e-4 instead lost 0.03 of cosine out of domain."""
 
 
-def _rows(record: LayerRecord, module: nn.Module, x: Tensor) -> Tuple[Tensor, int]:
-    """The layer's input as rows ``(n, fan_in)`` in float64 (as its kind reads them) and the
-    rows per cluster."""
-    chunks = list(record.kind.input_rows(module, x.detach()))
+def _rows(record: LayerRecord, module: nn.Module, x: Tensor) -> Tuple[Tensor, LayerRows]:
+    """The layer's input as rows ``(n, fan_in)`` in float64 (as its kind reads them, padded
+    tokens zeroed: :func:`~panther_lite.conversion.calibration.tokens.layer_rows`) and how
+    they were read (rows per cluster, real rows per cluster)."""
+    found = layer_rows(record.kind, module, x.detach())
+    chunks = found.chunks
     rows = chunks[0][0] if len(chunks) == 1 else torch.cat([rows for rows, _ in chunks])
-    return rows.double(), chunks[0][1]
+    return rows.double(), found
 
 
 # Relative difference below which the inputs of two runs count as the same (float rounding).
@@ -74,7 +77,7 @@ class _GroupStatistics:
     same call and ``G̃ = X̃ᵀX̃``, ``C = X̃ᵀX`` and ``G = XᵀX`` accumulate. ``shared`` turns
     False when a member's input was not the leader's (the group must then be split)."""
 
-    def __init__(self, group: List[LayerRecord], device: Optional[torch.device]) -> None:
+    def __init__(self, group: List[LayerRecord], device: Optional[torch.device], held_back: bool = False) -> None:
         self.group, self.leader = group, group[0]
         device = self.leader.device if device is None else device
         fan_in = self.leader.fan_in
@@ -82,8 +85,10 @@ class _GroupStatistics:
             torch.zeros(fan_in, fan_in, dtype=torch.float64, device=device) for _ in range(3)
         )
         self.moments = RowMoments()  # of the current rows X̃, for the shrinkage
+        self.held = HeldBack.empty(fan_in, device) if held_back else None  # its held-back half ("auto")
+        self.unaligned = False  # inputs that did not line up with an active token mask
         self.queue: deque = deque()
-        self.phase, self.last_input, self.shared, self.rows = "original", None, True, 0
+        self.phase, self.last_input, self.shared = "original", None, True
         self.nothing_upstream = False  # set while recording a group no fitted layer precedes
 
     def hook(self, record: LayerRecord) -> Callable:
@@ -102,14 +107,17 @@ class _GroupStatistics:
                     "model than in the original on the same batch; fit this model with sequential=False"
                 )
             original, _ = _rows(record, module, self.queue.popleft())
-            current, rows_per_cluster = _rows(record, module, x)
+            current, found = _rows(record, module, x)
             self.check_pairing(record, original, current)
             target = self.current.device
             self.current.add_((current.t() @ current).to(target))
             self.cross.add_((current.t() @ original).to(target))
             self.original.add_((original.t() @ original).to(target))
-            self.moments.add(current, rows_per_cluster)
-            self.rows += current.shape[0]
+            per_cluster, real = found.chunks[0][1], found.real[0] if len(found.real) == 1 else None
+            self.moments.add(current, per_cluster, real)
+            if self.held is not None:
+                self.held.add(current, per_cluster, real)
+            self.unaligned = self.unaligned or found.unaligned
 
         return pre_hook
 
@@ -192,12 +200,13 @@ def _record_group(
             handle.remove()
 
 
-def _fit_member(record: LayerRecord, stats: _GroupStatistics, seed: Optional[int], fit: str) -> FitResult:
-    """The sketched layer fitted to the original outputs (see the module docstring)."""
+def _fit_member(record: LayerRecord, stats: _GroupStatistics, seed: Optional[int], fit: str, shrinkage) -> FitResult:
+    """The sketched layer fitted to the original outputs (see the module docstring), its
+    statistics shrunk as ``shrinkage`` (the config's) says for its fit whitened by ``G̃``."""
     weight = record.weight_matrix().detach()
     w = weight.to(stats.current)
-    intensity = shrinkage_intensity(stats.current, stats.moments)
-    note_few_rows(record, stats.moments, intensity)
+    intensity = layer_strength(shrinkage, weight, record.rank, stats.current, stats.moments, stats.held)
+    note_calibration(record, stats.moments.rows, intensity, stats.unaligned)
     current = shrink(stats.current, intensity)
     ridge = RIDGE * stats.current.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
     eye = torch.eye(w.shape[1], dtype=w.dtype, device=w.device)
@@ -218,6 +227,8 @@ def _fit_member(record: LayerRecord, stats: _GroupStatistics, seed: Optional[int
         stored_params=counts.stored,
         weight_error=relative_error(approx, weight),
         output_error=math.sqrt(max(squared, 0.0) / reference) if reference > 0 else math.nan,
+        calibration_rows=stats.moments.rows,
+        shrinkage=intensity,
     )
 
 
@@ -225,7 +236,7 @@ def _fit_member(record: LayerRecord, stats: _GroupStatistics, seed: Optional[int
 class _Run:
     """One sequential fit's settings: the batches (and the partly converted model's, None: the
     same), the layers' calls per batch, their seeds, where statistics live, the decomposition,
-    and the modules fitted before (swapped in with the new fits)."""
+    the modules fitted before (swapped in with the new fits) and the shrinkage setting."""
 
     batches: list
     converted_batches: Optional[list]
@@ -234,13 +245,14 @@ class _Run:
     device: Optional[torch.device]
     fit: str
     prefitted: Dict[str, nn.Module]
+    shrinkage: object = "auto"
 
 
 def _fit_on_current_inputs(model: nn.Module, record: LayerRecord, fits: Dict[str, FitResult], run: _Run) -> FitResult:
     """A layer whose kind cannot be regressed on the original outputs (several weight matrices,
     :attr:`~panther_lite.conversion.kinds.LayerKind.sequential_regression`): its own statistics
     recorded on the inputs the partly converted model gives it, then its kind's fit."""
-    recorder = record.kind.recorder(record, run.device)
+    recorder = record.kind.recorder(record, run.device, run.shrinkage == "auto")
     stop = _StopAfterGroup([record], run.calls)
     handles = [record.module.register_forward_pre_hook(recorder, with_kwargs=True)]
     handles.append(record.module.register_forward_hook(stop.hook(record)))
@@ -255,7 +267,7 @@ def _fit_on_current_inputs(model: nn.Module, record: LayerRecord, fits: Dict[str
         for handle in handles:
             handle.remove()
         recorder.last_input = None
-    return record.kind.fit(record, recorder, "svd", run.seeds[record.name], run.fit)
+    return record.kind.fit(record, recorder, "svd", run.seeds[record.name], run.fit, run.shrinkage)
 
 
 def _fit_group(model: nn.Module, group: List[LayerRecord], fits: Dict[str, FitResult], run: _Run) -> None:
@@ -264,7 +276,7 @@ def _fit_group(model: nn.Module, group: List[LayerRecord], fits: Dict[str, FitRe
     if not group[0].kind.sequential_regression:  # such kinds read their own rows: never grouped
         fits[group[0].name] = _fit_on_current_inputs(model, group[0], fits, run)
         return
-    stats = _GroupStatistics(group, run.device)
+    stats = _GroupStatistics(group, run.device, run.shrinkage == "auto")
     fitted = {**run.prefitted, **{name: fit.module for name, fit in fits.items()}}
     _record_group(model, stats, run.batches, fitted, run.calls, run.converted_batches)
     if not stats.shared and len(group) > 1:
@@ -273,7 +285,7 @@ def _fit_group(model: nn.Module, group: List[LayerRecord], fits: Dict[str, FitRe
             _fit_group(model, [record], fits, run)
         return
     for record in group:
-        fits[record.name] = _fit_member(record, stats, run.seeds[record.name], run.fit)
+        fits[record.name] = _fit_member(record, stats, run.seeds[record.name], run.fit, run.shrinkage)
 
 
 def fit_sequentially(
@@ -287,6 +299,7 @@ def fit_sequentially(
     fit: str = "auto",
     converted_batches=None,
     prefitted: Optional[Dict[str, nn.Module]] = None,
+    shrinkage="auto",
 ) -> Tuple[Dict[str, FitResult], List[LayerRecord]]:
     """Fit ``records`` (sizes planned) group by group in model order; ``model`` is not
     changed (fitted layers are swapped in only while the next group records).
@@ -298,6 +311,7 @@ def fit_sequentially(
     paired with ``batches`` one to one: the inputs it receives where they differ from the
     original model's (a block whose earlier blocks are already converted). ``prefitted``:
     ``{name: module}`` fitted before (other layers), swapped in with the fits for those runs.
+    ``shrinkage``: the config's option (``"auto"`` or a strength; 0 is off).
     """
     if callable(batches):
         batches = [batches]  # one "batch": a call of fn(model)
@@ -307,7 +321,7 @@ def fit_sequentially(
         return {}, list(records)
     order: CallOrder = group_layers(model, records, first)
     seeds = {record.name: layer_seed(seed, i) for i, record in enumerate(records)}
-    run = _Run(batches, converted_batches, order.calls, seeds, device, fit, prefitted or {})
+    run = _Run(batches, converted_batches, order.calls, seeds, device, fit, prefitted or {}, shrinkage)
     fits: Dict[str, FitResult] = {}
     for group in progress_bar(order.groups, "fitting sequentially", "group", progress):
         _fit_group(model, group, fits, run)

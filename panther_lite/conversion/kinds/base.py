@@ -172,6 +172,13 @@ class LayerKind:
         its rows per cluster (:mod:`~panther_lite.conversion.calibration.shrinkage`)."""
         raise NotImplementedError
 
+    def token_rows(self, module: nn.Module, x: Tensor, mask: Tensor) -> Optional[Tuple[Tensor, int]]:
+        """The rows of :meth:`input_rows` with those at padded tokens zeroed, and the rows per
+        cluster, when they line up with the token ``mask`` ``(batch, seq)`` (bool, on ``x``'s
+        device); None when they do not (the default: this kind's rows are not tokens), and
+        then all rows are used (:mod:`~panther_lite.conversion.calibration.tokens`)."""
+        return None
+
     # ------------------------------------------------------------------ building
     def build(self, module: nn.Module, num_terms: int, low_rank: int, **fit) -> nn.Module:
         """The fitted sketched layer of ``module`` (``fit``: ``init``, ``seed``, ``gram``,
@@ -237,30 +244,36 @@ class LayerKind:
 
         return LayerRecord(name, module, self)
 
-    def recorder(self, record: "LayerRecord", device: Optional[torch.device]):
+    def recorder(self, record: "LayerRecord", device: Optional[torch.device], held_back: bool = False):
         """The forward pre-hook (``with_kwargs=True``) accumulating the layer's calibration
-        statistics on ``device``: a :class:`~panther_lite.conversion.calibration.grams.GramRecorder`
-        (the input Gram) here. It has ``record``, ``rows`` (0: no batch reached the layer),
-        ``last_input`` and ``statistics()`` (the tensors checked finite after each batch)."""
+        statistics on ``device`` from the batches' real tokens: a
+        :class:`~panther_lite.conversion.calibration.grams.GramRecorder` (the input Gram, with
+        its held-back half when ``held_back``, for ``shrinkage="auto"``) here. It has
+        ``record``, ``rows`` (0: no batch reached the layer), ``last_input`` and
+        ``statistics()`` (the tensors checked finite after each batch)."""
         from ..calibration.grams import GramRecorder
 
-        return GramRecorder(record, device)
+        return GramRecorder(record, device, held_back)
 
-    def energies(self, record: "LayerRecord", recorder) -> Dict[str, Tensor]:
+    def energies(self, record: "LayerRecord", recorder, config=None) -> Dict[str, Tensor]:
         """``{part name: squared singular values}`` of each part's whitened weight (the global
         allocation's spectra, :func:`~panther_lite.conversion.planning.allocation.whitened_energy`)
-        from ``recorder`` (None, or no rows: the weight's own spectrum)."""
+        from ``recorder`` (None, or no rows: the weight's own spectrum), its Gram shrunk as the
+        :class:`~panther_lite.conversion.ConvertConfig` ``config`` says (needed with a recorder)."""
+        from ..calibration.grams import spectrum_gram
         from ..planning.allocation import whitened_energy
 
-        gram = None if recorder is None else recorder.fit_gram()
-        return {record.name: whitened_energy(record.weight_matrix(), gram)}
+        return {record.name: whitened_energy(record.weight_matrix(), spectrum_gram(recorder, record, config))}
 
-    def fit(self, record: "LayerRecord", recorder, init: str, seed: Optional[int], fit: str) -> "FitResult":
+    def fit(
+        self, record: "LayerRecord", recorder, init: str, seed: Optional[int], fit: str, shrinkage="auto"
+    ) -> "FitResult":
         """The fitted sketched layer of ``record`` at its planned size from its ``recorder``
-        (None: from the weight alone), with the report's figures."""
+        (None: from the weight alone), its statistics shrunk as ``shrinkage`` (the config's
+        option) says, with the report's figures."""
         from ..fitting.planned import fit_from_gram
 
-        return fit_from_gram(record, recorder, init, seed, fit)
+        return fit_from_gram(record, recorder, init, seed, fit, shrinkage)
 
     def refresh_weight_error(self, record: "LayerRecord", fit: "FitResult") -> None:
         """Measure ``fit``'s ``weight_error`` ``‖Ŵ − W‖_F / ‖W‖_F`` again against ``record``'s

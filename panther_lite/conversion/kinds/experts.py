@@ -196,20 +196,22 @@ class ExpertsKind(LayerKind):
     def record(self, name: str, module: nn.Module) -> ExpertsRecord:
         return ExpertsRecord(name, module, self)
 
-    def recorder(self, record: ExpertsRecord, device: Optional[torch.device]):
+    def recorder(self, record: ExpertsRecord, device: Optional[torch.device], held_back: bool = False):
+        """Per-expert statistics (:class:`~panther_lite.conversion.calibration.experts.ExpertsRecorder`);
+        it keeps no held-back half: ``shrinkage="auto"`` shrinks each expert by its Ledoit–Wolf ``α``."""
         from ..calibration.experts import ExpertsRecorder
 
         return ExpertsRecorder(record, device)
 
-    def energies(self, record: ExpertsRecord, recorder) -> Dict[str, Tensor]:
+    def energies(self, record: ExpertsRecord, recorder, config=None) -> Dict[str, Tensor]:
         from ..calibration.experts import expert_energies
 
-        return expert_energies(record, recorder)
+        return expert_energies(record, recorder, "auto" if config is None else config.shrinkage)
 
-    def fit(self, record: ExpertsRecord, recorder, init: str, seed: Optional[int], fit: str):
+    def fit(self, record: ExpertsRecord, recorder, init: str, seed: Optional[int], fit: str, shrinkage="auto"):
         from ..fitting.experts import fit_experts
 
-        return fit_experts(record, recorder, init, seed, fit)
+        return fit_experts(record, recorder, init, seed, fit, shrinkage)
 
     def refresh_weight_error(self, record: ExpertsRecord, fit) -> None:
         from ..fitting.experts import measure_weights

@@ -123,6 +123,13 @@ class LinearKind(LayerKind):
     def input_rows(self, module: nn.Module, x: Tensor) -> Iterator[Tuple[Tensor, int]]:
         yield x.reshape(-1, x.shape[-1]), cluster_size(x)
 
+    def token_rows(self, module: nn.Module, x: Tensor, mask: Tensor) -> Optional[Tuple[Tensor, int]]:
+        """An input ``(batch, seq, fan_in)`` whose leading dimensions are the mask's: its rows,
+        padded ones zeroed, one cluster per sequence."""
+        if tuple(x.shape[:-1]) != tuple(mask.shape):
+            return None
+        return torch.where(mask.unsqueeze(-1), x, 0).reshape(-1, x.shape[-1]), x.shape[-2]
+
     def build(self, module: nn.Module, num_terms: int, low_rank: int, **fit) -> nn.Module:
         return self.built_type.from_linear(self.as_linear(module), num_terms, low_rank, **fit)
 

@@ -46,12 +46,14 @@ from .spectra import plan_global_by_blocks
 
 
 def _fit_block(runner, here: List[LayerRecord], original, current, config: ConvertConfig, first_index: int):
-    """The fits of one block's layers, on the original and current streams of cached calls."""
+    """The fits of one block's layers, on the original and current streams of cached calls
+    (each with its batch's token mask, :meth:`~panther_lite.conversion.pipelines.capture.BlockCalls.masked`)."""
     if not here:
         return {}
     if config.sequential:
         return fit_planned(runner, here, config, None, original, first_index=first_index, converted_batches=current)
-    calibration = collect_grams(runner, here, CalibrationData(current), False, config.calibration_device)
+    data = CalibrationData(current)
+    calibration = collect_grams(runner, here, data, False, config.calibration_device, config.held_back)
     return fit_planned(runner, here, config, calibration, first_index=first_index)
 
 
@@ -70,7 +72,8 @@ def _convert_blocks(
     model: nn.Module, todo: List[LayerRecord], block_list: BlockList, captured: BlockCalls, config: ConvertConfig,
     log: SwapLog, after_fit: Optional[AfterFit], materialise: Materialise,
 ) -> Dict[str, FitResult]:
-    """Fit and swap the blocks' layers block by block (swaps appended to ``log``)."""
+    """Fit and swap the blocks' layers block by block (swaps appended to ``log``), their
+    statistics and refinement losses on the real tokens of ``captured``'s batches."""
     last = max((i for i in range(len(block_list.blocks)) if block_list.records_in(i, todo)), default=-1)
     cache, device, fits = config.cache_device, config.calibration_device, {}
     original = current = captured.first()  # each stream's hidden states, one tensor per batch
@@ -81,12 +84,14 @@ def _convert_blocks(
             first_index = todo.index(here[0]) if here else 0
             original_calls = captured.feed(index, original)
             current_calls = captured.feed(index, current) if config.sequential else original_calls
-            block_fits = _fit_block(runner, here, original_calls, current_calls, config, first_index)
+            streams = captured.masked(original_calls), captured.masked(current_calls)
+            block_fits = _fit_block(runner, here, *streams, config, first_index)
             targets = run_block(runner, original_calls, cache, where) if index < last or after_fit is not None else None
             log += _swap_sending_home(model, block_fits, home)
             fits.update(block_fits)
             if after_fit is not None:
-                after_fit(FittedBlock(index, where, block, runner, here, block_fits, current_calls, targets))
+                fitted = FittedBlock(index, where, block, runner, here, block_fits, current_calls, targets, captured.masks)
+                after_fit(fitted)
             if index < last:
                 current = run_block(runner, current_calls, cache, where) if config.sequential else targets
                 original = targets
@@ -108,7 +113,7 @@ def convert_by_blocks(
     outside = [record for record in todo if not block_list.inside(record)]
     calibration = None
     if outside and not config.sequential:  # on the dense model, like the blocks' Grams
-        calibration = collect_grams(model, outside, job.data, False, config.calibration_device)
+        calibration = collect_grams(model, outside, job.data, False, config.calibration_device, config.held_back)
     try:
         fits = _convert_blocks(model, todo, block_list, captured, config, log, after_fit, materialise)
         if outside:

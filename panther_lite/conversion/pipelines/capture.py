@@ -1,7 +1,7 @@
 """The by-blocks pipeline's capture, and every rule for when replaying the blocks one by one
 would not give the whole-model result: :func:`chain_problem` (what the model's structure rules
 out) and :func:`capture_calls` (one run of every calibration batch through the model, recording
-each block's own call while checking that the blocks form a chain, else :class:`BrokenChain`).
+each block's own call (and each batch's real-token mask) while checking that the blocks form a chain, else :class:`BrokenChain`).
 
 A chain, checked on every batch: each block is called once, in order, on the hidden states the
 previous block returned (the first tensor of its output), untouched in between; no block
@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..calibration.batches import evaluation_run, run_batch
+from ..calibration.tokens import MaskedCall, batch_token_mask, with_masks
 from ..records import LayerRecord
 from ..rules import progress_bar
 from .blocks import (
@@ -50,9 +51,11 @@ class BlockCalls:
     """Each block's own call per calibration batch, as the model made it: ``calls[b][i]`` is
     block ``i``'s call ``(args, kwargs)`` for batch ``b`` (on the cache device). Only the first
     block's calls hold their hidden states; a later block's hold None in their place, filled
-    from the previous block's outputs by :meth:`feed`."""
+    from the previous block's outputs by :meth:`feed`. ``masks[b]``: batch ``b``'s real-token
+    mask ``(batch, seq)`` (None: every position is data; :mod:`~panther_lite.conversion.calibration.tokens`)."""
 
     calls: List[List[BlockCall]]
+    masks: List[Optional[Tensor]]
 
     def first(self) -> List[Tensor]:
         """The first block's hidden states, one tensor per batch."""
@@ -61,6 +64,11 @@ class BlockCalls:
     def feed(self, index: int, hidden: Sequence[Tensor]) -> List[BlockCall]:
         """Block ``index``'s calls, one per batch, each on ``hidden[b]``."""
         return [with_hidden(batch[index], states) for batch, states in zip(self.calls, hidden)]
+
+    def masked(self, calls: Sequence[BlockCall]) -> List[MaskedCall]:
+        """``calls`` (one per batch, as :meth:`feed` gives them), each with its batch's mask:
+        calibration data whose statistics count real tokens only."""
+        return with_masks(calls, self.masks)
 
 
 def _block_of(name: str, block_list: BlockList) -> Optional[int]:
@@ -273,6 +281,7 @@ def capture_calls(
     capture = _Capture(block_list, sequential, cache_device, materialise)
     handles = _hooks(capture, block_list, records)
     captured: List[List[BlockCall]] = []
+    masks: List[Optional[Tensor]] = []
     try:
         noting = _MadeAfterFirstBlock(capture) if sequential else contextlib.nullcontext()
         with evaluation_run(model), without_kv_cache(model), noting:
@@ -287,9 +296,10 @@ def capture_calls(
                 if len(capture.calls) != len(block_list.blocks):
                     capture.fail(f"the model does not call every block at {block_list.path}")
                 captured.append(capture.calls)
+                masks.append(batch_token_mask(batch))
     finally:
         for handle in handles:
             handle.remove()
     if not captured:
         raise BrokenChain("calibration_data holds no batch")
-    return BlockCalls(captured)
+    return BlockCalls(captured, masks)

@@ -29,14 +29,14 @@ from .capture import BlockCalls, Materialise
 BlockGains = Callable[[List[nn.Module]], List[float]]
 
 
-def _spectra(model: nn.Module, pooled: List[LayerRecord], data: CalibrationData, device) -> Tuple[dict, dict]:
+def _spectra(model: nn.Module, pooled: List[LayerRecord], data: CalibrationData, config: ConvertConfig) -> Tuple[dict, dict]:
     """``({name: whitened spectrum}, {name: squared gain at model's output})`` of ``pooled``
     calibrated on ``data``; each Gram is freed as soon as its spectrum is taken."""
-    calibration = collect_grams(model, pooled, data, False, device)
+    calibration = collect_grams(model, pooled, data, False, config.calibration_device, config.held_back)
     energies = {}
     for record in pooled:
         recorder = calibration.recorders.get(record.name)
-        energies.update(record.kind.energies(record, recorder))
+        energies.update(record.kind.energies(record, recorder, config))
         calibration.release(record.name)
     return energies, output_gains(model, pooled, calibration.replay)
 
@@ -51,7 +51,7 @@ def spectra_pass(
     last = max((i for i in range(len(block_list.blocks)) if block_list.records_in(i, pooled)), default=-1)
     outside = [record for record in pooled if not block_list.inside(record)]
     device = config.calibration_device
-    energies, gains = _spectra(model, outside, data, device) if outside else ({}, {})
+    energies, gains = _spectra(model, outside, data, config) if outside else ({}, {})
     gains_to_output = block_gains(block_list.blocks[: last + 1])
     blocks = progress_bar(block_list.blocks[: last + 1], "measuring spectra", "block", config.progress)
     hidden = captured.first()
@@ -60,7 +60,7 @@ def spectra_pass(
         with materialise(index, block):
             runner = BlockRunner(model, block, device)
             if here:
-                block_energies, within = _spectra(runner, here, CalibrationData(calls), device)
+                block_energies, within = _spectra(runner, here, CalibrationData(captured.masked(calls)), config)
                 energies.update(block_energies)
                 gains.update({name: gain * gains_to_output[index] for name, gain in within.items()})
             if index < last:

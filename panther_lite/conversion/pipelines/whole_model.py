@@ -33,11 +33,13 @@ class WholeModel:
         candidates = [record for record in job.records if record.to_convert]
         if job.data.given and candidates and (pooled or not config.sequential):
             device = config.calibration_device
-            self.calibration = collect_grams(model, candidates, job.data, config.progress, device)
+            self.calibration = collect_grams(model, candidates, job.data, config.progress, device, config.held_back)
         calibration = self.calibration
         if pooled:
             recorders = {} if calibration is None else calibration.recorders
-            energies = {name: energy for r in pooled for name, energy in r.kind.energies(r, recorders.get(r.name)).items()}
+            energies = {
+                name: energy for r in pooled for name, energy in r.kind.energies(r, recorders.get(r.name), config).items()
+            }
             replay = None if calibration is None else calibration.replay
             gains = {} if replay is None else output_gains(model, pooled, replay)
             sizes, multiple_of = config.sizes, rank_multiple_for(config.align)

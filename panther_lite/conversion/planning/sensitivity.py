@@ -9,6 +9,10 @@ Gaussian noise of relative size ``ε`` to the layer's output, run the model, and
 relative change of the model's output (its first floating-point tensor) over ``ε``. The
 allocation then minimises ``Σ_l gain_l² · e_l``.
 
+Only real tokens count: where the batch's attention mask lines up with an output (or a layer's
+output), its padded positions are zeroed before any norm and get no noise
+(:mod:`~panther_lite.conversion.calibration.tokens`).
+
 Block by block, a layer's gain is measured to its block's output and multiplied by the
 block's own gain to the model's output (:func:`block_output_gains`, first order, one forward
 and backward for all blocks), so no full forward per layer is needed.
@@ -22,6 +26,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from ..calibration.batches import ModelRun, evaluation_run
+from ..calibration.tokens import current_token_mask, zero_padding
 from ..records import LayerRecord
 
 NOISE = 0.05
@@ -40,12 +45,24 @@ def _first_tensor(output) -> Optional[Tensor]:
     return None
 
 
+def _real_output(model: nn.Module, run: ModelRun) -> Optional[Tensor]:
+    """The first floating-point tensor of ``run(model)``'s output, its padded positions zeroed
+    (the token mask is read while the model runs)."""
+    masks: List[Optional[Tensor]] = [None]
+    handle = model.register_forward_pre_hook(lambda module, args: masks.__setitem__(0, current_token_mask()))
+    try:
+        output = _first_tensor(run(model))
+    finally:
+        handle.remove()
+    return None if output is None else zero_padding(output, masks[0])
+
+
 def output_gains(model: nn.Module, records: List[LayerRecord], run: ModelRun) -> Dict[str, float]:
     """``{name: gain²}``: the squared relative change of the model's output per relative
     noise added to each layer's output, when ``run(model)`` (one calibration batch) runs it
     (1.0 for every layer when the output holds no floating-point tensor or does not move)."""
     with evaluation_run(model):
-        reference = _first_tensor(run(model))
+        reference = _real_output(model, run)
         if reference is None or not bool(reference.norm() > 0):
             return {record.name: 1.0 for record in records}
         gains = {}
@@ -54,11 +71,13 @@ def output_gains(model: nn.Module, records: List[LayerRecord], run: ModelRun) ->
 
             def perturb(module, args, output):
                 noise = torch.randn(output.shape, generator=generator, device=output.device, dtype=output.dtype)
-                return output + NOISE * noise * (output.norm() / noise.norm().clamp_min(1e-30))
+                mask = current_token_mask()
+                noise, real = zero_padding(noise, mask), zero_padding(output, mask)
+                return output + NOISE * noise * (real.norm() / noise.norm().clamp_min(1e-30))
 
             handle = record.module.register_forward_hook(perturb)
             try:
-                moved = _first_tensor(run(model))
+                moved = _real_output(model, run)
             finally:
                 handle.remove()
             gains[record.name] = float(((moved - reference).norm() / reference.norm() / NOISE) ** 2)
