@@ -221,3 +221,32 @@ def test_auto_shrinks_isotropic_inputs_seen_through_few_rows():
         progress=False,
     )
     assert report.loc[0, "shrinkage"] > 0.3
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_auto_checks_only_layers_up_to_the_side_limit_and_says_so(monkeypatch, sequential):
+    """Above AUTO_CHECK_MAX_SIDE on its smaller side a layer's check would cost many times its
+    fit: "auto" leaves it unshrunk, keeps no held-back Gram for it and its reason says so,
+    while a narrower layer of the same model is still checked."""
+    from panther_lite.conversion.calibration import shrinkage
+
+    monkeypatch.setattr(shrinkage, "AUTO_CHECK_MAX_SIDE", 16)
+    held_widths = []
+    empty = HeldBack.empty.__func__
+    monkeypatch.setattr(HeldBack, "empty", classmethod(lambda cls, fan_in, device: held_widths.append(fan_in)
+                                                       or empty(cls, fan_in, device)))
+    x = torch.randn(48, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32, dtype=torch.float64), nn.Tanh(), nn.Linear(32, 12, dtype=torch.float64))
+    report = panther_lite.convert(model, num_terms=1, low_rank=4, calibration_data=[x], sequential=sequential,
+                                  progress=False)
+    wide, narrow = report.iloc[0], report.iloc[1]
+    assert list(report["status"]) == ["converted", "converted"]
+    assert wide["shrinkage"] == 0.0 and "shrinkage='auto' is checked only up to 16" in wide["reason"]
+    assert "shrinkage='auto'" not in narrow["reason"]
+    assert 32 in held_widths and held_widths.count(32) == 1  # the narrow layer's input only
+    fixed = panther_lite.convert(
+        nn.Sequential(nn.Linear(32, 32, dtype=torch.float64)), num_terms=1, low_rank=4, calibration_data=[x],
+        shrinkage=0.3, sequential=sequential, progress=False,
+    )
+    assert fixed.loc[0, "shrinkage"] == 0.3 and "shrinkage='auto'" not in fixed.loc[0, "reason"]

@@ -39,12 +39,17 @@ held-back rows (:func:`choose_strength`): the clusters are split in two alternat
 its own rows for ``c`` in ``0`` and :data:`MULTIPLES` and measured on the other half, and the
 ``c`` with the smallest summed held-back output error (``c = 0``, no shrinkage, on a tie) sets
 the strength ``c·α`` of all the rows. So the strength used is never worse than none on the
-held-back rows. A float fixes the strength; ``0`` or None turns shrinkage off.
+held-back rows. The check costs ``2·(1 + len(MULTIPLES))`` eigendecompositions on the layer's
+smaller side, many times its fit beyond a thousand or so (a 2048 × 5632 layer: minutes on two
+cores), and one more Gram while calibrating; it is therefore made only for layers at most
+:data:`AUTO_CHECK_MAX_SIDE` on their smaller side (:func:`checks_strength`): the wider ones
+are not shrunk, and their report ``reason`` says so. A float fixes the strength for every
+layer; ``0`` or None turns shrinkage off.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Union
+from typing import Dict, Iterable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -55,11 +60,15 @@ from .tokens import UNALIGNED_NOTE
 
 __all__ = [
     "RowMoments", "HeldBack", "Strength", "MULTIPLES", "shrinkage_intensity", "shrink", "choose_strength",
-    "layer_strength", "note_calibration",
+    "layer_strength", "note_calibration", "AUTO_CHECK_MAX_SIDE", "checks_strength", "any_checked",
 ]
 
 MULTIPLES = (0.5, 1.0, 2.0)
 """The multiples ``c`` of the Ledoit–Wolf ``α`` that ``shrinkage="auto"`` tries besides ``c = 0``."""
+
+AUTO_CHECK_MAX_SIDE = 1024
+"""The widest smaller side (``min(fan_out, fan_in)``) of a layer whose ``shrinkage="auto"``
+strength is checked on held-back rows; wider layers are not shrunk."""
 
 Setting = Union[str, float]
 _DAMPING = 1e-4  # the ridge the fits add to a Gram, relative to its mean diagonal (low_rank_fit's default)
@@ -232,27 +241,46 @@ def choose_strength(
     return Strength(min(1.0, best * shrinkage_intensity(gram, moments)), best, errors)
 
 
+def checks_strength(fan_out: int, fan_in: int) -> bool:
+    """Whether ``shrinkage="auto"`` checks (and may use) a strength for a ``fan_out × fan_in`` layer."""
+    return min(fan_out, fan_in) <= AUTO_CHECK_MAX_SIDE
+
+
+def any_checked(records: Iterable[LayerRecord]) -> bool:
+    """Whether any of ``records`` (layers sharing one input's statistics) has its
+    ``shrinkage="auto"`` strength checked: only then are held-back statistics kept."""
+    return any(checks_strength(record.fan_out, record.fan_in) for record in records)
+
+
 def layer_strength(
     setting: Setting, weight: Tensor, rank: int, gram: Tensor, moments: RowMoments, held: Optional[HeldBack]
 ) -> float:
     """The strength a fit whitened by ``gram`` uses: ``setting`` when it is a number (the
     config's ``shrinkage``; 0 is off), else (``"auto"``) :func:`choose_strength` on ``held``
-    (0 without held-back statistics)."""
+    (0 without held-back statistics or for a layer :func:`checks_strength` leaves out)."""
     if setting != "auto":
         return float(setting)
-    if held is None:
+    if held is None or not checks_strength(*weight.shape):
         return 0.0
     return choose_strength(weight, rank, gram, moments, held).value
 
 
-def note_calibration(record: LayerRecord, rows: int, intensity: float, unaligned: bool = False) -> None:
+def note_calibration(
+    record: LayerRecord, rows: int, intensity: float, unaligned: bool = False, setting: Setting = 0.0
+) -> None:
     """Add to ``record``'s reason (the report) when the layer saw fewer real calibration rows
-    than it has inputs, and how much its statistics were shrunk for it, and when its inputs
-    did not line up with the batches' attention mask (all rows, padding too, were used)."""
+    than it has inputs, and how much its statistics were shrunk for it, when ``setting`` (the
+    config's ``shrinkage``) is ``"auto"`` and the layer too wide for its check, and when its
+    inputs did not line up with the batches' attention mask (all rows, padding too, were used)."""
     if 0 < rows < record.fan_in:
         record.note(
             f"calibrated on {rows} rows, fewer than its {record.fan_in} inputs: correlations shrunk by "
             f"{intensity:.2f} towards the diagonal"
+        )
+    if setting == "auto" and rows > 0 and not checks_strength(record.fan_out, record.fan_in):
+        record.note(
+            f"shrinkage='auto' is checked only up to {AUTO_CHECK_MAX_SIDE} on a layer's smaller side "
+            "(its cost): not shrunk; a float shrinkage= sets a strength"
         )
     if unaligned:
         record.note(UNALIGNED_NOTE)

@@ -50,7 +50,7 @@ def fit_from_gram(
         if init == "svd":
             strength = recorder.strength(shrinkage, record, record.rank)
             fit_gram = shrink(gram, strength) if strength else gram
-        note_calibration(record, recorder.rows, 0.0 if strength is None else strength)
+        note_calibration(record, recorder.rows, strength or 0.0, setting=shrinkage if init == "svd" else 0.0)
         result = fit_layer(record, init, gram, seed, fit, fit_gram)
     if recorder.unaligned:
         record.note(UNALIGNED_NOTE)

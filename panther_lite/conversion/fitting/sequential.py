@@ -43,7 +43,7 @@ from torch import Tensor
 from ...nn.low_rank_fit import relative_error
 from ..calibration.batches import evaluation_run, run_batch_or_callable
 from ..calibration.grams import CallOrder, check_finite_inputs, group_layers
-from ..calibration.shrinkage import HeldBack, RowMoments, layer_strength, note_calibration, shrink
+from ..calibration.shrinkage import HeldBack, RowMoments, any_checked, layer_strength, note_calibration, shrink
 from ..calibration.tokens import LayerRows, layer_rows
 from ..records import LayerRecord
 from ..rules import layer_seed, progress_bar
@@ -85,7 +85,7 @@ class _GroupStatistics:
             torch.zeros(fan_in, fan_in, dtype=torch.float64, device=device) for _ in range(3)
         )
         self.moments = RowMoments()  # of the current rows X̃, for the shrinkage
-        self.held = HeldBack.empty(fan_in, device) if held_back else None  # its held-back half ("auto")
+        self.held = HeldBack.empty(fan_in, device) if held_back and any_checked(group) else None  # its held-back half ("auto")
         self.unaligned = False  # inputs that did not line up with an active token mask
         self.queue: deque = deque()
         self.phase, self.last_input, self.shared = "original", None, True
@@ -206,7 +206,7 @@ def _fit_member(record: LayerRecord, stats: _GroupStatistics, seed: Optional[int
     weight = record.weight_matrix().detach()
     w = weight.to(stats.current)
     intensity = layer_strength(shrinkage, weight, record.rank, stats.current, stats.moments, stats.held)
-    note_calibration(record, stats.moments.rows, intensity, stats.unaligned)
+    note_calibration(record, stats.moments.rows, intensity, stats.unaligned, shrinkage)
     current = shrink(stats.current, intensity)
     ridge = RIDGE * stats.current.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
     eye = torch.eye(w.shape[1], dtype=w.dtype, device=w.device)
