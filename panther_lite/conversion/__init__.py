@@ -13,6 +13,7 @@ and :func:`tune` (``tuning``) finds the smallest budget within a tolerance of th
 model's vocabulary to its calibration batches.
 """
 from .api import convert, densify
+from .distillation import DistillationResult, distill
 from .freezing import FrozenConv1d, FrozenConv2d, FrozenConv3d, FrozenLinear, freeze
 from .pretrained import from_pretrained, save_pretrained
 from .random_tokens import random_token_batches
@@ -38,4 +39,6 @@ __all__ = [
     "tune",
     "plot_search",
     "random_token_batches",
+    "distill",
+    "DistillationResult",
 ]

@@ -17,7 +17,7 @@ from ..nn.validation import check_positive_int
 from .block_pipeline import FittedBlock
 from .refinement import check_holdout, check_lr, refine_block
 
-__all__ = ["BlockRefiner", "REFINEMENT_COLUMNS", "REFINE_SETTINGS", "check_refine"]
+__all__ = ["BlockRefiner", "REFINEMENT_COLUMNS", "REFINE_SETTINGS", "check_refine", "only_these_train"]
 
 REFINE_SETTINGS = ("max_steps", "lr", "holdout", "patience")
 REFINEMENT_COLUMNS = ("block", "name", "error_before", "error_after", "steps", "stopped_early")
@@ -51,7 +51,7 @@ def check_refine(refine) -> Optional[dict]:
 
 
 @contextlib.contextmanager
-def _only_these_train(block: nn.Module, parameters: List[nn.Parameter]) -> Iterator[None]:
+def only_these_train(block: nn.Module, parameters: List[nn.Parameter]) -> Iterator[None]:
     """``block`` in eval mode (no dropout) with every parameter outside ``parameters``
     frozen, so gradients reach only the refined ones; flags restored afterwards."""
     chosen = {id(parameter) for parameter in parameters}
@@ -107,7 +107,7 @@ class BlockRefiner:
         parameters = [p for fit in fitted.fits.values() for p in fit.module.parameters()]
         if not parameters:
             return
-        with _only_these_train(fitted.block, parameters), _in_float32(fitted.block) as widened:
+        with only_these_train(fitted.block, parameters), _in_float32(fitted.block) as widened:
             work = _float32_calls(fitted) if widened else fitted
             result = refine_block(parameters, work.predict, work.targets, progress=False, **self.settings)
         self.results.append({"block": fitted.index, "name": fitted.name, **dataclasses.asdict(result)})
