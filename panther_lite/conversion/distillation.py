@@ -16,18 +16,19 @@ forward and backward on one batch; each evaluation is both forwards on every hel
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
 from ..nn.layer_base import SketchedLayer
-from ..nn.validation import check_int, check_positive_int
+from ..nn.validation import check_choice, check_int, check_positive_int
 from .block_refinement import only_these_train
 from .calibration import evaluation_run, run_batch
 from .distillation_objective import Objective, check_loss, check_outputs, check_temperature
@@ -42,6 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["DistillationResult", "TRAINABLE", "distill", "trained_parameters"]
 
 TRAINABLE = ("factors", "biases", "norms")
+SCHEDULES = ("cosine", "constant")
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,8 @@ class DistillationResult:
     ``stopped_early``: stopped before ``max_steps``; ``loss``: the loss used (``"mse"``,
     ``"kl"``, ``"callable"``); ``train_batches`` / ``held_batches``: how the batches were
     split; ``trained_elements``: parameter elements trained; ``seconds``: wall time;
-    ``history``: ``(step, held-back loss)`` at each evaluation, step 0 first.
+    ``history``: ``(step, mean training loss since the previous evaluation, held-back loss)``
+    at each evaluation, step 0 first (its training loss is NaN).
     """
 
     loss_before: float
@@ -70,19 +73,20 @@ class DistillationResult:
     held_batches: int
     trained_elements: int
     seconds: float
-    history: Tuple[Tuple[int, float], ...] = field(default=(), repr=False)
+    history: Tuple[Tuple[int, float, float], ...] = field(default=(), repr=False)
 
     def history_frame(self) -> "pd.DataFrame":
-        """``history`` as a DataFrame with columns ``step`` and ``held_loss``."""
+        """``history`` as a DataFrame with columns ``step``, ``train_loss`` and ``held_loss``."""
         import pandas as pd
 
-        return pd.DataFrame(list(self.history), columns=["step", "held_loss"])
+        return pd.DataFrame(list(self.history), columns=["step", "train_loss", "held_loss"])
 
 
 @dataclass(frozen=True)
 class _Settings:
     max_steps: int
     lr: float
+    schedule: str
     patience: int
     eval_every: Optional[int]
     seed: int
@@ -145,8 +149,8 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu") if tensor is None else tensor.device
 
 
-def _batches(data, model: nn.Module, tokenizer, random_tokens) -> list:
-    """``data``'s batches as a list, then the random-token batches on the model's device."""
+def _data_batches(data) -> list:
+    """``data``'s batches as a list (TypeError naming a bad one)."""
     if isinstance(data, Tensor):
         raise TypeError("distill: data must be an iterable of batches, got a single Tensor; pass e.g. x.split(32)")
     if callable(data) or isinstance(data, (str, bytes, Mapping)) or not isinstance(data, Iterable):
@@ -158,29 +162,40 @@ def _batches(data, model: nn.Module, tokenizer, random_tokens) -> list:
                 f"distill: data batch {index} is {type(batch).__name__}; batches must be a Tensor (model(b)), "
                 "a tuple/list (model(*b)) or a dict (model(**b))"
             )
-    random_tokens = check_int("random_tokens", random_tokens, minimum=0)
-    if random_tokens and tokenizer is None:
-        raise ValueError(f"distill: random_tokens={random_tokens} needs tokenizer= (the model's tokenizer)")
-    if random_tokens:
-        device = _device_of(model)
-        extra = random_token_batches(tokenizer, random_tokens)
-        batches += [{key: value.to(device) for key, value in batch.items()} for batch in extra]
-    if len(batches) < 2:
-        raise ValueError(
-            f"distill: data holds {len(batches)} batch(es); at least 2 are needed, as one is held back for early "
-            "stopping (split the batch, e.g. x.split(32), or add random_tokens)"
-        )
     return batches
 
 
-class _Session:
-    """The student, the teacher, the batches and how they are compared; ``held`` /
-    ``train``: the indices of the held-back and training batches."""
+class _RandomTokens:
+    """``draw(p)``: ``count`` random-token sequences (seed ``seed + p``) in batches of 32 on ``device``."""
 
-    def __init__(self, model, teacher, batches: list, holdout: float, objective: Objective) -> None:
-        self.model, self.teacher, self.batches, self.objective = model, teacher, batches, objective
-        self.held = held_back_indices(len(batches), holdout)
-        self.train = [index for index in range(len(batches)) if index not in self.held]
+    def __init__(self, tokenizer, count, seed: int, device: torch.device) -> None:
+        self.count = check_int("random_tokens", count, minimum=0)
+        if self.count and tokenizer is None:
+            raise ValueError(f"distill: random_tokens={count} needs tokenizer= (the model's tokenizer)")
+        self.tokenizer, self.seed, self.device = tokenizer, seed, device
+
+    def draw(self, draw: int) -> list:
+        if not self.count:
+            return []
+        batches = random_token_batches(self.tokenizer, self.count, seed=self.seed + draw)
+        return [{key: value.to(self.device) for key, value in batch.items()} for batch in batches]
+
+
+class _Session:
+    """The student, the teacher, the batches and how they are compared: ``data``'s batches
+    and then the random-token ones; ``held`` / ``train``: the indices of the held-back and
+    training batches, spread evenly over them all."""
+
+    def __init__(self, model, teacher, data: list, random_tokens: _RandomTokens, holdout: float, objective) -> None:
+        self.model, self.teacher, self.objective, self.random_tokens = model, teacher, objective, random_tokens
+        self.first_random, self.batches = len(data), data + random_tokens.draw(0)
+        if len(self.batches) < 2:
+            raise ValueError(
+                f"distill: data holds {len(self.batches)} batch(es); at least 2 are needed, as one is held back for "
+                "early stopping (split the batch, e.g. x.split(32), or add random_tokens)"
+            )
+        self.held = held_back_indices(len(self.batches), holdout)
+        self.train = [index for index in range(len(self.batches)) if index not in self.held]
 
     def loss(self, index: int) -> Tensor:
         """The loss of batch ``index``: the teacher in eval mode without grad, the student as it is."""
@@ -197,39 +212,85 @@ class _Session:
         mean = total / len(self.held)
         return mean if math.isfinite(mean) else math.inf
 
+    def passes(self, seed: int) -> Iterator[int]:
+        """The training batches' indices over and over, reshuffled for each pass; from the
+        second pass on, the training random-token batches are drawn afresh (the held-back
+        ones stay), so the model never sees the same random sequence twice."""
+        generator = torch.Generator().manual_seed(seed)
+        for draw in itertools.count():
+            if draw and self.random_tokens.count:
+                fresh = self.random_tokens.draw(draw)
+                for index in self.train:
+                    if index >= self.first_random:
+                        self.batches[index] = fresh[index - self.first_random]
+            for position in torch.randperm(len(self.train), generator=generator).tolist():
+                yield self.train[position]
 
-def _epochs(indices: List[int], seed: int) -> Iterator[int]:
-    """``indices`` over and over, reshuffled for each pass."""
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        for position in torch.randperm(len(indices), generator=generator).tolist():
-            yield indices[position]
+
+def _lr_factor(schedule: str, max_steps: int) -> Callable[[int], float]:
+    """The learning rate of step ``i`` (0-based) over ``lr``: a linear warm-up over the first
+    5% of ``max_steps`` (Adam's first steps are about ``lr`` on every entry whatever the
+    gradient), then constant or a cosine decay to 0 at ``max_steps``."""
+    warmup = max(1, max_steps // 20)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, max_steps - warmup)))
+
+    return factor
 
 
 @dataclass
 class _Run:
-    """The state of the loop: the best held-back loss so far and where it was found."""
+    """The state of the loop: the best held-back loss so far, where it was found, and the
+    training losses since the last evaluation."""
 
     best_loss: float
     steps: int = 0
     best_step: int = 0
     stop_reason: str = "max_steps"
-    history: List[Tuple[int, float]] = field(default_factory=list)
+    since_best: int = 0
+    history: List[Tuple[int, float, float]] = field(default_factory=list)
+    train_losses: List[float] = field(default_factory=list)
+
+    def evaluated(self, held: float, parameters, best: List[Tensor], patience: int) -> bool:
+        """Record an evaluation after ``self.steps`` steps, keep the parameters when they are
+        the best so far; False when training must stop."""
+        train_loss = sum(self.train_losses) / len(self.train_losses)
+        self.history.append((self.steps, train_loss, held))
+        self.train_losses.clear()
+        if held == math.inf:
+            self.stop_reason = "non-finite loss"
+            return False
+        if held < self.best_loss:
+            self.best_loss, self.best_step, self.since_best = held, self.steps, 0
+            with torch.no_grad():
+                for keep, parameter in zip(best, parameters):
+                    keep.copy_(parameter)
+            return True
+        self.since_best += 1
+        if self.since_best >= patience:
+            self.stop_reason = "patience"
+            return False
+        return True
 
 
-def _step(session: _Session, index: int, masters: MasterWeights, optimizer, scaler) -> bool:
-    """One Adam step on batch ``index`` (on the float32 masters, rounded back); False (and
-    no step) when the loss is not finite."""
+def _step(session: _Session, index: int, masters: MasterWeights, optimizer, scaler) -> Optional[float]:
+    """One Adam step on batch ``index`` (on the float32 masters, rounded back): its loss, or
+    None (and no step) when the loss is not finite."""
     loss = session.loss(index)
     if not torch.isfinite(loss):
-        return False
+        return None
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     masters.take_gradients()
     scaler.step(optimizer)
     scaler.update()
     masters.write_back()
-    return True
+    return float(loss.detach())
 
 
 def _optimise(session: _Session, parameters, best: List[Tensor], run: _Run, settings: _Settings, progress) -> None:
@@ -237,44 +298,37 @@ def _optimise(session: _Session, parameters, best: List[Tensor], run: _Run, sett
     or a non-finite loss, keeping the best parameters in ``best``."""
     masters = MasterWeights(parameters)
     optimizer = torch.optim.Adam(masters.tensors, lr=settings.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(settings.schedule, settings.max_steps))
     scaler = torch.amp.GradScaler(parameters[0].device.type, enabled=masters.float16)
-    order, since_best = _epochs(session.train, settings.seed), 0
+    order = session.passes(settings.seed)
     eval_every = settings.eval_every or len(session.train)
     bar = progress_bar(range(1, settings.max_steps + 1), "distilling", "step", progress)
     try:
         for step in bar:
-            if not _step(session, next(order), masters, optimizer, scaler):
+            loss = _step(session, next(order), masters, optimizer, scaler)
+            if loss is None:
                 run.stop_reason = "non-finite loss"
                 return
+            schedule.step()
             run.steps = step
+            run.train_losses.append(loss)
             if step % eval_every and step < settings.max_steps:
                 continue
             held = session.held_loss()
-            run.history.append((step, held))
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(held_loss=f"{held:.4g}")
-            if held == math.inf:
-                run.stop_reason = "non-finite loss"
+            if not run.evaluated(held, parameters, best, settings.patience):
                 return
-            if held < run.best_loss:
-                run.best_loss, run.best_step, since_best = held, step, 0
-                with torch.no_grad():
-                    for keep, parameter in zip(best, parameters):
-                        keep.copy_(parameter)
-            else:
-                since_best += 1
-                if since_best >= settings.patience:
-                    run.stop_reason = "patience"
-                    return
     finally:
         if hasattr(bar, "close"):
             bar.close()
 
 
-def _settings(max_steps, lr, patience, eval_every, seed) -> _Settings:
+def _settings(max_steps, lr, schedule, patience, eval_every, seed) -> _Settings:
     return _Settings(
         max_steps=check_positive_int("max_steps", max_steps),
         lr=check_lr(lr, "distill: "),
+        schedule=check_choice("schedule", schedule, SCHEDULES),
         patience=check_positive_int("patience", patience),
         eval_every=None if eval_every is None else check_positive_int("eval_every", eval_every),
         seed=check_int("seed", seed, minimum=0),
@@ -294,6 +348,7 @@ def distill(
     random_tokens: int = 0,
     max_steps: int = 500,
     lr: float = 1e-4,
+    schedule: str = "cosine",
     holdout: float = 0.25,
     patience: int = 5,
     eval_every: Optional[int] = None,
@@ -324,14 +379,19 @@ def distill(
             compared at the real tokens only, reduced to ``(real tokens, …)``.
         temperature: ``T`` of the ``"kl"`` loss.
         tokenizer, random_tokens: add ``random_tokens`` sequences of random ordinary tokens
-            (:func:`~panther_lite.conversion.random_tokens.random_token_batches`, 16 tokens,
-            batches of 32) to ``data``, on the model's device.
+            (:func:`~panther_lite.conversion.random_tokens.random_token_batches` with
+            ``seed``: 16 tokens, batches of 32) to ``data``, on the model's device. Those
+            that train are drawn afresh for every pass over the training batches (seeds
+            ``seed + 1``, ``seed + 2``, ...); those held back stay.
         max_steps: most optimizer steps, each on one training batch (reshuffled every pass).
-        lr: Adam's learning rate (constant).
+        lr: Adam's peak learning rate, reached after a linear warm-up over the first 5% of
+            ``max_steps`` (Adam's first steps move every entry by about ``lr``).
+        schedule: after the warm-up, ``"cosine"`` decays the rate to 0 at ``max_steps``;
+            ``"constant"`` keeps it.
         holdout: fraction in (0, 1) of the batches held back (at least one, at most all but one).
         patience: stop after this many evaluations without a better held-back loss.
         eval_every: steps between evaluations (None: one pass over the training batches).
-        seed: the order of the training batches.
+        seed: the order of the training batches and the random tokens.
         progress: a tqdm bar over the steps (None: on a terminal only).
 
     Returns:
@@ -348,24 +408,25 @@ def distill(
     Memory and time: see :mod:`panther_lite.conversion.distillation`.
 
     Raises:
-        TypeError / ValueError naming the argument, before anything is changed: ``model is
-        teacher``, no sketched layer in ``model``, trained parameters shared with
+        TypeError / ValueError naming the argument, before anything is changed:
+        ``model is teacher``, no sketched layer in ``model``, trained parameters shared with
         ``teacher``, empty or single-batch ``data``, a bad batch, outputs that differ in
         shape or are not floating-point tensors, a non-finite loss before training, and
         settings out of range (``lr <= 0``, ``holdout`` outside (0, 1), ...).
     """
     start = time.perf_counter()
     _check_models(model, teacher)
-    train, settings = _check_train(train), _settings(max_steps, lr, patience, eval_every, seed)
+    train, settings = _check_train(train), _settings(max_steps, lr, schedule, patience, eval_every, seed)
     objective = Objective(check_outputs(outputs), check_loss(loss), check_temperature(temperature))
     holdout = check_holdout(holdout, "distill: ")
     parameters = _checked_parameters(model, teacher, train)
-    session = _Session(model, teacher, _batches(data, model, tokenizer, random_tokens), holdout, objective)
+    random = _RandomTokens(tokenizer, random_tokens, settings.seed, _device_of(model))
+    session = _Session(model, teacher, _data_batches(data), random, holdout, objective)
     with evaluation_run(model):
         loss_before = session.held_loss()
     if loss_before == math.inf:
         raise ValueError("distill: the held-back loss before training is not finite; check data and the teacher's outputs")
-    run = _Run(best_loss=loss_before, history=[(0, loss_before)])
+    run = _Run(best_loss=loss_before, history=[(0, math.nan, loss_before)])
     with only_these_train(model, parameters), best_kept(parameters) as best:
         _optimise(session, parameters, best, run, settings, progress)
     return DistillationResult(

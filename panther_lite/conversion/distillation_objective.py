@@ -25,7 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LOSSES", "Objective", "check_loss", "check_outputs", "check_temperature", "select_output"]
+__all__ = [
+    "LOSSES", "Objective", "check_loss", "check_outputs", "check_temperature", "real_tokens", "relative_squared_error",
+    "select_output", "softened_kl",
+]
 
 LOSSES = ("auto", "mse", "kl")
 _AUTO_KEYS = ("logits", "last_hidden_state")

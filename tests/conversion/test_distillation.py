@@ -84,9 +84,11 @@ def test_distill_lowers_the_held_back_loss_and_the_error_on_fresh_data():
     assert result.loss == "mse" and result.train_batches == 6 and result.held_batches == 2
     assert result.loss_after < 0.7 * result.loss_before
     assert output_error(model, teacher, fresh) < 0.8 * before
-    assert result.history[0] == (0, result.loss_before)
-    assert dict(result.history)[result.best_step] == result.loss_after
-    assert result.history_frame().columns.tolist() == ["step", "held_loss"]
+    frame = result.history_frame()
+    assert frame.columns.tolist() == ["step", "train_loss", "held_loss"]
+    assert frame["step"].iloc[0] == 0 and frame["held_loss"].iloc[0] == result.loss_before
+    assert frame.set_index("step")["held_loss"][result.best_step] == result.loss_after
+    assert frame["train_loss"].iloc[1:].notna().all() and frame["train_loss"].iloc[-1] < frame["train_loss"].iloc[1]
 
 
 def test_the_held_back_loss_is_the_mean_relative_error_of_the_held_batches():
@@ -499,6 +501,18 @@ def test_random_token_batches_are_added_with_the_tokenizer():
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]")
     teacher = _hf("llama")
     model = _hf_student(teacher)
+    seen = []
+    model.model.embed_tokens.register_forward_pre_hook(lambda module, args: seen.append(args[0].clone()))
     result = panther_lite.distill(model, teacher, _token_batches(2), tokenizer=tokenizer, random_tokens=64,
-                                  max_steps=4, progress=False)
-    assert result.train_batches + result.held_batches == 2 + 2  # 64 sequences in batches of 32
+                                  max_steps=9, eval_every=3, progress=False)
+    # 2 data batches and 64 sequences in 2 batches of 32; batch 3 (random tokens) is held back
+    assert (result.train_batches, result.held_batches, result.steps) == (3, 1, 9)
+    random_rows = [ids for ids in seen if ids.shape[0] == 32]
+    held = random_rows[0]  # the first evaluation, before training
+    assert torch.equal(held, panther_lite.random_token_batches(tokenizer, 64)[1]["input_ids"])
+    trained = [ids for ids in random_rows if not torch.equal(ids, held)]
+    assert len(random_rows) - len(trained) == 4  # the held-back batch at each of the 4 evaluations
+    assert len(trained) == 3  # one random training batch per pass of 3 steps, a fresh draw each pass
+    assert all(not torch.equal(a, b) for i, a in enumerate(trained) for b in trained[:i])
+    assert torch.equal(trained[0], panther_lite.random_token_batches(tokenizer, 64)[0]["input_ids"])
+    assert torch.equal(trained[1], panther_lite.random_token_batches(tokenizer, 64, seed=1)[0]["input_ids"])
