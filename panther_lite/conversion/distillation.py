@@ -16,26 +16,22 @@ forward and backward on one batch; each evaluation is both forwards on every hel
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from torch import Tensor
 
 from ..nn.layer_base import SketchedLayer
 from ..nn.validation import check_choice, check_int, check_positive_int
 from .block_refinement import only_these_train
-from .calibration import evaluation_run, run_batch
+from .calibration import evaluation_run
 from .distillation_objective import Objective, check_loss, check_outputs, check_temperature
-from .master_weights import MasterWeights
-from .progress import progress_bar
-from .random_tokens import random_token_batches
-from .refinement import best_kept, check_holdout, check_lr, held_back_indices
+from .distillation_run import SCHEDULES, RandomTokens, Run, Session, Settings, data_batches, optimise
+from .refinement import best_kept, check_holdout, check_lr
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -43,7 +39,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["DistillationResult", "TRAINABLE", "distill", "trained_parameters"]
 
 TRAINABLE = ("factors", "biases", "norms")
-SCHEDULES = ("cosine", "constant")
 
 
 @dataclass(frozen=True)
@@ -80,16 +75,6 @@ class DistillationResult:
         import pandas as pd
 
         return pd.DataFrame(list(self.history), columns=["step", "train_loss", "held_loss"])
-
-
-@dataclass(frozen=True)
-class _Settings:
-    max_steps: int
-    lr: float
-    schedule: str
-    patience: int
-    eval_every: Optional[int]
-    seed: int
 
 
 def _check_train(train) -> Tuple[str, ...]:
@@ -149,183 +134,8 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu") if tensor is None else tensor.device
 
 
-def _data_batches(data) -> list:
-    """``data``'s batches as a list (TypeError naming a bad one)."""
-    if isinstance(data, Tensor):
-        raise TypeError("distill: data must be an iterable of batches, got a single Tensor; pass e.g. x.split(32)")
-    if callable(data) or isinstance(data, (str, bytes, Mapping)) or not isinstance(data, Iterable):
-        raise TypeError(f"distill: data must be an iterable of batches (Tensor, tuple or dict), got {type(data).__name__}")
-    batches = list(data)
-    for index, batch in enumerate(batches):
-        if not isinstance(batch, (Tensor, tuple, list, Mapping)):
-            raise TypeError(
-                f"distill: data batch {index} is {type(batch).__name__}; batches must be a Tensor (model(b)), "
-                "a tuple/list (model(*b)) or a dict (model(**b))"
-            )
-    return batches
-
-
-class _RandomTokens:
-    """``draw(p)``: ``count`` random-token sequences (seed ``seed + p``) in batches of 32 on ``device``."""
-
-    def __init__(self, tokenizer, count, seed: int, device: torch.device) -> None:
-        self.count = check_int("random_tokens", count, minimum=0)
-        if self.count and tokenizer is None:
-            raise ValueError(f"distill: random_tokens={count} needs tokenizer= (the model's tokenizer)")
-        self.tokenizer, self.seed, self.device = tokenizer, seed, device
-
-    def draw(self, draw: int) -> list:
-        if not self.count:
-            return []
-        batches = random_token_batches(self.tokenizer, self.count, seed=self.seed + draw)
-        return [{key: value.to(self.device) for key, value in batch.items()} for batch in batches]
-
-
-class _Session:
-    """The student, the teacher, the batches and how they are compared: ``data``'s batches
-    and then the random-token ones; ``held`` / ``train``: the indices of the held-back and
-    training batches, spread evenly over them all."""
-
-    def __init__(self, model, teacher, data: list, random_tokens: _RandomTokens, holdout: float, objective) -> None:
-        self.model, self.teacher, self.objective, self.random_tokens = model, teacher, objective, random_tokens
-        self.first_random, self.batches = len(data), data + random_tokens.draw(0)
-        if len(self.batches) < 2:
-            raise ValueError(
-                f"distill: data holds {len(self.batches)} batch(es); at least 2 are needed, as one is held back for "
-                "early stopping (split the batch, e.g. x.split(32), or add random_tokens)"
-            )
-        self.held = held_back_indices(len(self.batches), holdout)
-        self.train = [index for index in range(len(self.batches)) if index not in self.held]
-
-    def loss(self, index: int) -> Tensor:
-        """The loss of batch ``index``: the teacher in eval mode without grad, the student as it is."""
-        batch = self.batches[index]
-        with evaluation_run(self.teacher):
-            target = run_batch(self.teacher, batch, index)
-        return self.objective(batch, run_batch(self.model, batch, index), target)
-
-    def held_loss(self) -> float:
-        """The mean loss over the held-back batches (inf when not finite); the student is
-        expected in eval mode."""
-        with torch.no_grad():
-            total = sum(float(self.loss(index)) for index in self.held)
-        mean = total / len(self.held)
-        return mean if math.isfinite(mean) else math.inf
-
-    def passes(self, seed: int) -> Iterator[int]:
-        """The training batches' indices over and over, reshuffled for each pass; from the
-        second pass on, the training random-token batches are drawn afresh (the held-back
-        ones stay), so the model never sees the same random sequence twice."""
-        generator = torch.Generator().manual_seed(seed)
-        for draw in itertools.count():
-            if draw and self.random_tokens.count:
-                fresh = self.random_tokens.draw(draw)
-                for index in self.train:
-                    if index >= self.first_random:
-                        self.batches[index] = fresh[index - self.first_random]
-            for position in torch.randperm(len(self.train), generator=generator).tolist():
-                yield self.train[position]
-
-
-def _lr_factor(schedule: str, max_steps: int) -> Callable[[int], float]:
-    """The learning rate of step ``i`` (0-based) over ``lr``: a linear warm-up over the first
-    5% of ``max_steps`` (Adam's first steps are about ``lr`` on every entry whatever the
-    gradient), then constant or a cosine decay to 0 at ``max_steps``."""
-    warmup = max(1, max_steps // 20)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if schedule == "constant":
-            return 1.0
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, max_steps - warmup)))
-
-    return factor
-
-
-@dataclass
-class _Run:
-    """The state of the loop: the best held-back loss so far, where it was found, and the
-    training losses since the last evaluation."""
-
-    best_loss: float
-    steps: int = 0
-    best_step: int = 0
-    stop_reason: str = "max_steps"
-    since_best: int = 0
-    history: List[Tuple[int, float, float]] = field(default_factory=list)
-    train_losses: List[float] = field(default_factory=list)
-
-    def evaluated(self, held: float, parameters, best: List[Tensor], patience: int) -> bool:
-        """Record an evaluation after ``self.steps`` steps, keep the parameters when they are
-        the best so far; False when training must stop."""
-        train_loss = sum(self.train_losses) / len(self.train_losses)
-        self.history.append((self.steps, train_loss, held))
-        self.train_losses.clear()
-        if held == math.inf:
-            self.stop_reason = "non-finite loss"
-            return False
-        if held < self.best_loss:
-            self.best_loss, self.best_step, self.since_best = held, self.steps, 0
-            with torch.no_grad():
-                for keep, parameter in zip(best, parameters):
-                    keep.copy_(parameter)
-            return True
-        self.since_best += 1
-        if self.since_best >= patience:
-            self.stop_reason = "patience"
-            return False
-        return True
-
-
-def _step(session: _Session, index: int, masters: MasterWeights, optimizer, scaler) -> Optional[float]:
-    """One Adam step on batch ``index`` (on the float32 masters, rounded back): its loss, or
-    None (and no step) when the loss is not finite."""
-    loss = session.loss(index)
-    if not torch.isfinite(loss):
-        return None
-    optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()
-    masters.take_gradients()
-    scaler.step(optimizer)
-    scaler.update()
-    masters.write_back()
-    return float(loss.detach())
-
-
-def _optimise(session: _Session, parameters, best: List[Tensor], run: _Run, settings: _Settings, progress) -> None:
-    """Train until ``max_steps``, ``patience`` evaluations without a better held-back loss,
-    or a non-finite loss, keeping the best parameters in ``best``."""
-    masters = MasterWeights(parameters)
-    optimizer = torch.optim.Adam(masters.tensors, lr=settings.lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(settings.schedule, settings.max_steps))
-    scaler = torch.amp.GradScaler(parameters[0].device.type, enabled=masters.float16)
-    order = session.passes(settings.seed)
-    eval_every = settings.eval_every or len(session.train)
-    bar = progress_bar(range(1, settings.max_steps + 1), "distilling", "step", progress)
-    try:
-        for step in bar:
-            loss = _step(session, next(order), masters, optimizer, scaler)
-            if loss is None:
-                run.stop_reason = "non-finite loss"
-                return
-            schedule.step()
-            run.steps = step
-            run.train_losses.append(loss)
-            if step % eval_every and step < settings.max_steps:
-                continue
-            held = session.held_loss()
-            if hasattr(bar, "set_postfix"):
-                bar.set_postfix(held_loss=f"{held:.4g}")
-            if not run.evaluated(held, parameters, best, settings.patience):
-                return
-    finally:
-        if hasattr(bar, "close"):
-            bar.close()
-
-
-def _settings(max_steps, lr, schedule, patience, eval_every, seed) -> _Settings:
-    return _Settings(
+def _settings(max_steps, lr, schedule, patience, eval_every, seed) -> Settings:
+    return Settings(
         max_steps=check_positive_int("max_steps", max_steps),
         lr=check_lr(lr, "distill: "),
         schedule=check_choice("schedule", schedule, SCHEDULES),
@@ -346,6 +156,7 @@ def distill(
     temperature: float = 1.0,
     tokenizer=None,
     random_tokens: int = 0,
+    random_token_length: int = 16,
     max_steps: int = 500,
     lr: float = 1e-4,
     schedule: str = "cosine",
@@ -378,11 +189,12 @@ def distill(
             ``attention_mask`` in a dict batch, outputs shaped ``(batch, tokens, …)`` are
             compared at the real tokens only, reduced to ``(real tokens, …)``.
         temperature: ``T`` of the ``"kl"`` loss.
-        tokenizer, random_tokens: add ``random_tokens`` sequences of random ordinary tokens
+        tokenizer, random_tokens, random_token_length: add ``random_tokens`` sequences of
+            ``random_token_length`` random ordinary tokens
             (:func:`~panther_lite.conversion.random_tokens.random_token_batches` with
-            ``seed``: 16 tokens, batches of 32) to ``data``, on the model's device. Those
-            that train are drawn afresh for every pass over the training batches (seeds
-            ``seed + 1``, ``seed + 2``, ...); those held back stay.
+            ``seed``, batches of 32) to ``data``, on the model's device. Those that train
+            are drawn afresh for every pass over the training batches (seeds ``seed + 1``,
+            ``seed + 2``, ...); those held back stay.
         max_steps: most optimizer steps, each on one training batch (reshuffled every pass).
         lr: Adam's peak learning rate, reached after a linear warm-up over the first 5% of
             ``max_steps`` (Adam's first steps move every entry by about ``lr``).
@@ -420,15 +232,15 @@ def distill(
     objective = Objective(check_outputs(outputs), check_loss(loss), check_temperature(temperature))
     holdout = check_holdout(holdout, "distill: ")
     parameters = _checked_parameters(model, teacher, train)
-    random = _RandomTokens(tokenizer, random_tokens, settings.seed, _device_of(model))
-    session = _Session(model, teacher, _data_batches(data), random, holdout, objective)
+    random = RandomTokens(tokenizer, random_tokens, random_token_length, settings.seed, _device_of(model))
+    session = Session(model, teacher, data_batches(data), random, holdout, objective)
     with evaluation_run(model):
         loss_before = session.held_loss()
     if loss_before == math.inf:
         raise ValueError("distill: the held-back loss before training is not finite; check data and the teacher's outputs")
-    run = _Run(best_loss=loss_before, history=[(0, math.nan, loss_before)])
+    run = Run(best_loss=loss_before, history=[(0, math.nan, loss_before)])
     with only_these_train(model, parameters), best_kept(parameters) as best:
-        _optimise(session, parameters, best, run, settings, progress)
+        optimise(session, parameters, best, run, settings, progress)
     return DistillationResult(
         loss_before=loss_before,
         loss_after=run.best_loss,

@@ -6,11 +6,12 @@ counts only real tokens, and refuses bad settings with the model unchanged."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import panther_lite
 from panther_lite.conversion.distillation import DistillationResult, trained_parameters
@@ -376,6 +377,7 @@ def _bad_settings():
         (dict(outputs=3), ValueError, "selects nothing"),
         (dict(random_tokens=4), ValueError, "needs tokenizer"),
         (dict(random_tokens=-1), ValueError, "random_tokens"),
+        (dict(random_token_length=0), ValueError, "random_token_length"),
         (dict(data=[d.double() for d in data]), RuntimeError, "dtype"),
     ]
 
@@ -516,3 +518,17 @@ def test_random_token_batches_are_added_with_the_tokenizer():
     assert all(not torch.equal(a, b) for i, a in enumerate(trained) for b in trained[:i])
     assert torch.equal(trained[0], panther_lite.random_token_batches(tokenizer, 64)[0]["input_ids"])
     assert torch.equal(trained[1], panther_lite.random_token_batches(tokenizer, 64, seed=1)[0]["input_ids"])
+
+
+def test_bench_distill_quick_digits_writes_its_csv_and_plot(tmp_path, repo_root):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("bench_distill", repo_root / "benchmarks" / "bench_distill.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--only", "digits", "--quick", "--output-dir", str(tmp_path)])
+    frame = pd.read_csv(tmp_path / "distill_digits.csv")
+    assert frame["method"].tolist() == ["dense"] + ["global", "global+distill"] * len(bench.DIGITS_BUDGETS)
+    distilled = frame[frame["method"] == "global+distill"]
+    assert (distilled["loss_after"] <= distilled["loss_before"]).all() and (distilled["steps"] == 10).all()
+    assert (tmp_path / "distill.png").stat().st_size > 1000
