@@ -54,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--calibration", nargs="+", choices=("natural", "docstrings"), default=["natural"],
                         help="MiniLM calibration sources (each is one row per ratio and method)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads (default: torch's); 1 on a machine busier than its cores")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (for the tests)")
     return parser.parse_args(argv)
 
@@ -174,6 +176,8 @@ def _plot(frames: dict, path: Path) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     builders = {"digits": digits_rows, "minilm": minilm_rows}
     frames = {}

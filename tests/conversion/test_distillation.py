@@ -372,6 +372,7 @@ def _bad_settings():
         (dict(loss="l1"), ValueError, "loss must be one of"),
         (dict(loss=lambda s, t: 1.0), TypeError, "scalar Tensor"),
         (dict(temperature=0), ValueError, "temperature"),
+        (dict(schedule="linear"), ValueError, "schedule must be one of"),
         (dict(outputs=1.5), TypeError, "outputs must be"),
         (dict(outputs="logits"), ValueError, "selects nothing"),
         (dict(outputs=3), ValueError, "selects nothing"),
@@ -532,3 +533,19 @@ def test_bench_distill_quick_digits_writes_its_csv_and_plot(tmp_path, repo_root)
     distilled = frame[frame["method"] == "global+distill"]
     assert (distilled["loss_after"] <= distilled["loss_before"]).all() and (distilled["steps"] == 10).all()
     assert (tmp_path / "distill.png").stat().st_size > 1000
+
+
+def test_the_teacher_runs_in_eval_mode_without_dropout():
+    teacher = dense_mlp()
+    model = student_of(teacher)
+    teacher.insert(2, nn.Dropout(0.5))
+    model.insert(2, nn.Dropout(0.5))
+    teacher.train()
+    model.train()
+    batches = inputs(8)
+    expected = output_error(model.eval(), teacher.eval(), [batches[3], batches[7]])
+    teacher.train()
+    model.train()
+    result = panther_lite.distill(model, teacher, batches, max_steps=1, progress=False)
+    assert result.loss_before == pytest.approx(expected, rel=1e-6)
+    assert teacher.training and model.training
