@@ -265,8 +265,7 @@ def test_bfloat16_step_matches_a_float32_adam_step_rounded():
             torch.optim.Adam([master], lr=1e-3).step()
             expected[name] = master.detach().bfloat16()
     result = panther_lite.distill(model, teacher, batches, max_steps=1, lr=1e-3, progress=False)
-    if result.best_step == 0:
-        pytest.skip("the step did not lower the held-back loss, so it was undone")
+    assert result.best_step == 1  # the step lowered the held-back loss, so it was kept
     for name, value in expected.items():
         assert torch.equal(model.get_parameter(name), value), name
 
