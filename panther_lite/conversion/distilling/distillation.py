@@ -195,7 +195,7 @@ def distill(
         temperature: ``T`` of the ``"kl"`` loss.
         tokenizer, random_tokens, random_token_length: add ``random_tokens`` sequences of
             ``random_token_length`` random ordinary tokens
-            (:func:`~panther_lite.conversion.random_tokens.random_token_batches` with
+            (:func:`~panther_lite.conversion.calibration.random_tokens.random_token_batches` with
             ``seed``, batches of 32) to ``data``, on the model's device. Those that train
             are drawn afresh for every pass over the training batches (seeds ``seed + 1``,
             ``seed + 2``, ...); those held back stay.
@@ -222,7 +222,7 @@ def distill(
     ``.grad`` are restored afterwards, also after an error or KeyboardInterrupt, which leave
     the model with the best parameters found so far.
 
-    Memory and time: see :mod:`panther_lite.conversion.distillation`.
+    Memory and time: see :mod:`panther_lite.conversion.distilling.distillation`.
 
     Raises:
         TypeError / ValueError naming the argument, before anything is changed:

@@ -1,4 +1,4 @@
-"""One distillation run (:func:`~panther_lite.conversion.distillation.distill`): the batches
+"""One distillation run (:func:`~panther_lite.conversion.distilling.distillation.distill`): the batches
 and their held-back split, the loss of one batch, and the Adam loop with its warm-up,
 schedule and early stopping on the held-back loss."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ SCHEDULES = ("cosine", "constant")
 
 @dataclass(frozen=True)
 class Settings:
-    """The loop settings of :func:`~panther_lite.conversion.distillation.distill`, validated
+    """The loop settings of :func:`~panther_lite.conversion.distilling.distillation.distill`, validated
     (see its arguments)."""
 
     max_steps: int
