@@ -226,9 +226,10 @@ def distill(
 
     Raises:
         TypeError / ValueError naming the argument, before anything is changed:
-        ``model is teacher``, no sketched layer in ``model``, trained parameters shared with
-        ``teacher``, empty or single-batch ``data``, a bad batch, outputs that differ in
-        shape or are not floating-point tensors, a non-finite loss before training, and
+        ``model is teacher``, no sketched layer in ``model``, tensors the teacher shares that
+        training would change (the trained ones; in half precision, any), empty or
+        single-batch ``data``, a bad batch, outputs that differ in shape or are not
+        floating-point tensors, a non-finite loss before training, and
         settings out of range (``lr <= 0``, ``holdout`` outside (0, 1), ...).
     """
     start = time.perf_counter()
