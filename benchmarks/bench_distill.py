@@ -17,7 +17,7 @@ Two measurements, one CSV each, and one PNG, in ``--output-dir``:
     (out of domain), with the issue's targets. The text sources, the embedding cosine and the
     random-token length are ``bench_compression.py``'s.
 
-    python benchmarks/bench_distill.py                                   # both, ~20 min on 2 cores
+    python benchmarks/bench_distill.py                                   # both, ~30 min on 2 shared cores
     python benchmarks/bench_distill.py --only digits --quick             # tiny sizes, seconds
     python benchmarks/bench_distill.py --calibration natural docstrings  # both calibration sources
 """

@@ -32,7 +32,7 @@ def add_distill_options(command: argparse.ArgumentParser) -> None:
                        help="after the conversion, train the converted model's factors and biases to reproduce the "
                             "original model's outputs on the calibration batches (holds both models in memory); "
                             f"writes {DISTILLATION_CSV}")
-    group.add_argument("--distill-steps", type=positive_int, help="most Adam steps, one batch each (default 500)")
+    group.add_argument("--distill-steps", type=positive_int, help="most Adam steps, one batch each (default 1000)")
     group.add_argument("--distill-lr", type=positive_float, help="Adam's peak learning rate (default 1e-3)")
 
 

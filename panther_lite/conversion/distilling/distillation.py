@@ -161,7 +161,7 @@ def distill(
     tokenizer=None,
     random_tokens: int = 0,
     random_token_length: int = 16,
-    max_steps: int = 500,
+    max_steps: int = 1000,
     lr: float = 1e-3,
     schedule: str = "cosine",
     holdout: float = 0.25,
