@@ -20,6 +20,7 @@ pytest.importorskip("safetensors")
 
 import panther_lite  # noqa: E402
 from panther_lite.cli import compress as compress_module  # noqa: E402
+from panther_lite.cli import distilling as distilling_module  # noqa: E402
 from panther_lite.cli import main  # noqa: E402
 from panther_lite.cli.checkpoint import auto_class_for, calibration_batches, read_samples  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
@@ -108,6 +109,47 @@ def test_refine_writes_each_blocks_errors_beside_the_model(checkpoints, text_fil
     assert (rows["error_after"] <= rows["error_before"]).all() and (rows["steps"] <= 3).all()
     reloaded = panther_lite.from_pretrained(transformers.AutoModelForCausalLM, output)
     assert any(isinstance(module, SKLinear) for module in reloaded.modules())
+
+
+def test_distill_trains_the_converted_model_against_the_original_as_distill_does(
+    checkpoints, text_file, tmp_path, capsys, monkeypatch
+):
+    copies = []
+    monkeypatch.setattr(distilling_module, "copy", type("Copy", (), {"deepcopy": staticmethod(
+        lambda model: copies.append(type(model).__name__) or __import__("copy").deepcopy(model))}))
+    output = tmp_path / "out"
+    loud = RATIO_ARGS[:-1]  # the step messages
+    assert main(_argv(checkpoints["llama"], text_file, output, *loud, "--distill", "--distill-steps", "4")) == 0
+    assert copies == ["LlamaForCausalLM"]  # the original, copied once before the conversion
+    assert "distilled 4 steps (max_steps; kept step" in capsys.readouterr().err
+    history = pd.read_csv(output / "distillation.csv")
+    assert list(history.columns) == ["step", "train_loss", "held_loss"] and history["step"].iloc[-1] == 4
+    assert history["held_loss"].min() < history["held_loss"].iloc[0]
+
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoints["llama"])).eval()
+    expected, batches, _ = _converted_in_process(checkpoints["llama"], text_file, param_ratio=0.5, fit="exact")
+    result = panther_lite.distill(expected, teacher, batches, max_steps=4, progress=False)
+    assert history["held_loss"].tolist() == pytest.approx([h for _, _, h in result.history], rel=1e-6)
+    reloaded = panther_lite.from_pretrained(transformers.AutoModelForCausalLM, output).eval()
+    with torch.no_grad():
+        for batch in batches:
+            torch.testing.assert_close(reloaded(**batch).logits, expected(**batch).logits, rtol=1e-5, atol=1e-5)
+    copies.clear()
+    assert main(_argv(checkpoints["llama"], text_file, tmp_path / "plain", *RATIO_ARGS)) == 0
+    assert copies == [] and not (tmp_path / "plain" / "distillation.csv").exists()  # no teacher held without it
+
+
+def test_distill_draws_its_own_random_tokens_beside_the_text_batches(checkpoints, text_file, tmp_path, monkeypatch):
+    seen = {}
+    real_distill = distilling_module.distill
+    monkeypatch.setattr(distilling_module, "distill", lambda model, teacher, data, **kw: seen.update(data=data, **kw)
+                        or real_distill(model, teacher, data, **kw))
+    argv = _argv(checkpoints["bert"], text_file, tmp_path / "out", *RATIO_ARGS, "--random-tokens", "12",
+                 "--distill", "--distill-steps", "2", "--distill-lr", "0.01")
+    assert main(argv) == 0
+    assert sum(batch["input_ids"].shape[0] for batch in seen["data"]) == len(read_samples(text_file, 128))
+    assert seen["random_tokens"] == 12 and seen["tokenizer"] is not None
+    assert (seen["max_steps"], seen["lr"]) == (2, 0.01)
 
 
 def test_random_tokens_join_the_calibration_batches(checkpoints, text_file, tmp_path, capsys, monkeypatch):
@@ -199,6 +241,10 @@ def _bad_inputs(checkpoints, text_file, tmp_path, save_checkpoint, vocab):
                                             "expected a torch device"),
         "refine without blocks": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--refine", "--blocks", "off"), 1,
                                   "cannot be combined with --blocks off"),
+        "distill settings without distill": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--distill-steps", "5"), 1,
+                                             "add --distill"),
+        "distill lr not positive": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--distill", "--distill-lr", "0"), 2,
+                                    "a finite number > 0"),
     }
 
 
@@ -207,6 +253,7 @@ CASES = [
     "unknown allocation", "ratio above one", "ratio not a number", "no size", "no linear layers",
     "unmatched target", "output inside model dir", "refine settings without refine", "refine lr not positive",
     "refine without blocks", "calibration device absent", "calibration device not a device",
+    "distill settings without distill", "distill lr not positive",
 ]
 
 

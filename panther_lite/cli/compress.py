@@ -1,6 +1,7 @@
 """The ``compress`` command: convert a transformers checkpoint directory with
-:func:`panther_lite.convert`, calibrated on a text file, and save the result (model,
-tokenizer, report CSV and plot) into an output directory written all at once."""
+:func:`panther_lite.convert`, calibrated on a text file (optionally distil it against the
+original, :mod:`.distilling`), and save the result (model, tokenizer, report CSV and plot)
+into an output directory written all at once."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ from ..extras import quiet_optional_imports, require
 from ..nn.low_rank_fit import FIT_METHODS
 from .arguments import DTYPES, positive_float, positive_int
 from .checkpoint import CommandError, calibration_batches, check_model_dir, load_checkpoint, read_samples
+from .distilling import add_distill_options, check_distill_options, original_if_distilling, run_distill
 from .report_plot import plot_conversion_report
 from .staging import check_output_dir, staged_directory
 
@@ -112,6 +114,7 @@ def add_compress_command(subparsers) -> None:
                         help="after each block's fits, Adam steps so it reproduces the original block's outputs")
     refine.add_argument("--refine-steps", type=positive_int, help="most Adam steps per block (default 100)")
     refine.add_argument("--refine-lr", type=positive_float, help="Adam's learning rate (default 1e-3)")
+    add_distill_options(command)
     selection = command.add_argument_group("layer selection (PEFT's semantics; exclusion wins)")
     targets = selection.add_mutually_exclusive_group()
     targets.add_argument("--target-modules", action="append", metavar="NAME",
@@ -233,22 +236,26 @@ def run_compress(args: argparse.Namespace) -> int:
     _check_paths(args)
     samples = read_samples(args.calibration, args.max_samples)
     config = convert_config(args)
+    check_distill_options(args)
     staging_directory = staged_directory(args.output, args.overwrite, _inputs(args))
     with _transformers_bars(shown=not args.quiet), staging_directory as staging:
         with quiet_optional_imports():  # transformers may import torchao while loading
             model, tokenizer, auto_class = load_checkpoint(args.model_dir, DTYPES.get(args.dtype))
-        batches = calibration_batches(samples, tokenizer, model, args.seq_len, args.batch_size)
-        if args.random_tokens:
-            batches += _random_tokens(tokenizer, model, args)
+        text = calibration_batches(samples, tokenizer, model, args.seq_len, args.batch_size)
+        batches = text + (_random_tokens(tokenizer, model, args) if args.random_tokens else [])
         tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
         _warn_if_few_tokens(model, tokens)
         extra = f" and {args.random_tokens} random-token sequences" if args.random_tokens else ""
         say(f"loaded {type(model).__name__} ({auto_class.__name__}) from {args.model_dir}; calibrating on "
             f"{len(samples)} samples{extra} ({tokens:,} tokens) in {len(batches)} batches")
+        teacher = original_if_distilling(model, args)
         with without_kv_cache(model):
             report = convert(model, config=config, calibration_data=batches)
         pipeline = f" ({report.attrs['pipeline']})" if "pipeline" in report.attrs else ""  # where convert reports it
-        say(f"converted in {time.perf_counter() - started:.1f} s{pipeline}; saving")
+        say(f"converted in {time.perf_counter() - started:.1f} s{pipeline}")
+        if teacher is not None:
+            run_distill(model, teacher, text, tokenizer, args, staging, say)  # it draws its own random tokens
+            del teacher
         save_pretrained(model, staging)
         tokenizer.save_pretrained(str(staging))
         report.to_csv(staging / REPORT_CSV, index=False)

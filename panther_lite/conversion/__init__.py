@@ -12,13 +12,14 @@ layout so its ``state_dict`` loads into a fresh copy of the dense model; :func:`
 (``tuning``) finds the smallest budget within a tolerance of the dense score; :func:`freeze`
 (``deploy``) turns sketched layers into standard ones for deployment;
 :func:`random_token_batches` adds a data-free prior over a language model's vocabulary to its
-calibration batches.
+calibration batches; :func:`distill` (``distilling``) trains a converted model against the original.
 """
 from ..figures import plot_search
 from .api import convert, densify
 from .calibration.random_tokens import random_token_batches
 from .config import ConvertConfig, RefineConfig
 from .deploy.freezing import freeze
+from .distilling import DistillationResult, distill
 from .kinds import (
     FrozenConv1d, FrozenConv2d, FrozenConv3d, FrozenExperts, FrozenLinear, LayerKind, LinearKind, register_kind,
 )
@@ -53,4 +54,6 @@ __all__ = [
     "tune",
     "plot_search",
     "random_token_batches",
+    "distill",
+    "DistillationResult",
 ]

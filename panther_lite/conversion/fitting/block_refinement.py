@@ -6,26 +6,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.utils._pytree import tree_map
 
 from ..calibration.batches import run_batch
 from ..calibration.tokens import zero_padding
 from ..config import RefineConfig
 from ..records import LayerRecord
 from .layer import FitResult
+from .master_weights import in_float32, widened
 from .refinement import refine_block
 
-__all__ = ["FittedBlock", "AfterFit", "BlockRefiner", "REFINEMENT_COLUMNS"]
+__all__ = ["FittedBlock", "AfterFit", "BlockRefiner", "REFINEMENT_COLUMNS", "only_these_train"]
 
 REFINEMENT_COLUMNS = ("block", "name", "error_before", "error_after", "steps", "stopped_early")
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -72,7 +70,7 @@ AfterFit = Callable[[FittedBlock], None]
 
 
 @contextlib.contextmanager
-def _only_these_train(block: nn.Module, parameters: List[nn.Parameter]) -> Iterator[None]:
+def only_these_train(block: nn.Module, parameters: List[nn.Parameter]) -> Iterator[None]:
     """``block`` in eval mode (no dropout) with every parameter outside ``parameters``
     frozen, so gradients reach only the refined ones; flags restored afterwards."""
     chosen = {id(parameter) for parameter in parameters}
@@ -90,25 +88,9 @@ def _only_these_train(block: nn.Module, parameters: List[nn.Parameter]) -> Itera
             module.training = flag
 
 
-@contextlib.contextmanager
-def _in_float32(block: nn.Module) -> Iterator[bool]:
-    """``block``'s float16/bfloat16 parameters and buffers held in float32 for the duration
-    (Adam's moments and small updates need it), then rounded back; yields whether any was."""
-    low = [t for t in itertools.chain(block.parameters(), block.buffers()) if t.dtype in _HALF_DTYPES]
-    dtypes = [t.dtype for t in low]
-    for tensor in low:
-        tensor.data = tensor.data.float()
-    try:
-        yield bool(low)
-    finally:
-        for tensor, dtype in zip(low, dtypes):
-            tensor.data = tensor.data.to(dtype)
-
-
 def _float32_calls(fitted: FittedBlock) -> FittedBlock:
     """``fitted`` with the half-precision tensors of its cached calls in float32."""
-    widen = lambda value: value.float() if isinstance(value, torch.Tensor) and value.dtype in _HALF_DTYPES else value
-    return dataclasses.replace(fitted, calls=[tree_map(widen, call) for call in fitted.calls])
+    return dataclasses.replace(fitted, calls=[widened(call) for call in fitted.calls])
 
 
 class BlockRefiner:
@@ -129,7 +111,7 @@ class BlockRefiner:
         parameters = [p for fit in fitted.fits.values() for p in fit.module.parameters()]
         if not parameters:
             return
-        with _only_these_train(fitted.block, parameters), _in_float32(fitted.block) as widened:
+        with only_these_train(fitted.block, parameters), in_float32(fitted.block) as widened:
             work = _float32_calls(fitted) if widened else fitted
             result = refine_block(parameters, work.real_predict, work.real_targets(), progress=False, **self.settings)
         self.results.append({"block": fitted.index, "name": fitted.name, **dataclasses.asdict(result)})

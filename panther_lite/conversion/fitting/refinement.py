@@ -13,9 +13,10 @@ activations at a time (gradients are accumulated call by call).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -25,7 +26,7 @@ from ...nn.validation import check_positive_int
 from ..config import check_holdout, check_lr
 from ..rules import progress_bar
 
-__all__ = ["RefinementResult", "refine_block"]
+__all__ = ["RefinementResult", "best_kept", "held_back_indices", "refine_block"]
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,7 @@ class _Split:
             held = min(rows - 1, max(1, int(holdout * rows + 0.5)))
             self.train_calls, self.held_calls, self.first_held_row = [0], [0], rows - held
         else:
-            held = min(calls - 1, max(1, int(holdout * calls + 0.5)))
-            self.held_calls = [-(-(i + 1) * calls // held) - 1 for i in range(held)]
+            self.held_calls = held_back_indices(calls, holdout)
             self.train_calls = [i for i in range(calls) if i not in self.held_calls]
             self.first_held_row = 0
 
@@ -71,6 +71,34 @@ class _Split:
             return tensor
         rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.reshape(-1, 1)
         return rows[self.first_held_row :] if held else rows[: self.first_held_row]
+
+
+def held_back_indices(calls: int, holdout: float) -> List[int]:
+    """The ``h = max(1, ⌊holdout·calls + ½⌋)`` (at most ``calls − 1``) indices of ``calls >= 2``
+    held back, spread evenly over them: ``⌈(i+1)·calls/h⌉ − 1``."""
+    held = min(calls - 1, max(1, int(holdout * calls + 0.5)))
+    return [-(-(i + 1) * calls // held) - 1 for i in range(held)]
+
+
+@contextlib.contextmanager
+def best_kept(parameters: Sequence[nn.Parameter]) -> Iterator[List[Tensor]]:
+    """``parameters`` made trainable (``requires_grad``, no ``.grad``); yields copies of them
+    for the caller to keep the best values in. On exit, also on error or KeyboardInterrupt,
+    the parameters get those values and their ``requires_grad`` and ``.grad`` back."""
+    saved = [(p.requires_grad, p.grad) for p in parameters]
+    best = [p.detach().clone() for p in parameters]
+    try:
+        for parameter in parameters:
+            parameter.requires_grad_(True)
+            parameter.grad = None
+        yield best
+    finally:
+        with torch.no_grad():
+            for keep, parameter in zip(best, parameters):
+                parameter.copy_(keep)
+        for parameter, (requires_grad, grad) in zip(parameters, saved):
+            parameter.requires_grad_(requires_grad)
+            parameter.grad = grad
 
 
 def _check_arguments(parameters, predict, targets, lr, holdout) -> List[nn.Parameter]:
@@ -183,12 +211,7 @@ def refine_block(
     first_target = targets[0]
     rows = first_target.reshape(-1, first_target.shape[-1]).shape[0] if first_target.dim() > 0 else 1
     split = _Split(len(targets), float(holdout), rows)
-    saved = [(p.requires_grad, p.grad) for p in parameters]
-    best = [p.detach().clone() for p in parameters]
-    try:
-        for parameter in parameters:
-            parameter.requires_grad_(True)
-            parameter.grad = None
+    with best_kept(parameters) as best:  # also on error: the block keeps its best (or original) parameters
         error_before = best_error = _held_error(predict, targets, split)
         optimizer, scale = torch.optim.Adam(parameters, lr=float(lr)), _training_scale(targets, split)
         steps, since_best, stopped_early = 0, 0, False
@@ -207,11 +230,4 @@ def refine_block(
                 if since_best >= patience:
                     stopped_early = steps < max_steps
                     break
-    finally:  # also on error: the block is left with its best (or original) parameters
-        with torch.no_grad():
-            for keep, parameter in zip(best, parameters):
-                parameter.copy_(keep)
-        for parameter, (requires_grad, grad) in zip(parameters, saved):
-            parameter.requires_grad_(requires_grad)
-            parameter.grad = grad
     return RefinementResult(error_before, best_error, steps, stopped_early)

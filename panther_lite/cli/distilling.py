@@ -1,0 +1,64 @@
+"""The ``compress`` command's ``--distill`` step: the converted model trained against the
+original (:func:`panther_lite.distill`), with its options and ``distillation.csv``.
+
+The original model is the teacher, so with ``--distill`` the command holds two models: a copy
+of the loaded model is taken before the conversion (and only then), kept until the
+distillation ends, then released.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+from typing import List, Optional
+
+import torch.nn as nn
+
+from ..conversion import distill
+from ..conversion.distilling import DistillationResult
+from ..conversion.pipelines.blocks import without_kv_cache
+from .arguments import positive_float, positive_int
+from .checkpoint import CommandError
+
+__all__ = ["DISTILLATION_CSV", "add_distill_options", "check_distill_options", "original_if_distilling", "run_distill"]
+
+DISTILLATION_CSV = "distillation.csv"
+
+
+def add_distill_options(command: argparse.ArgumentParser) -> None:
+    """``--distill``, ``--distill-steps`` and ``--distill-lr`` in their own group."""
+    group = command.add_argument_group("distillation against the original (panther_lite.distill)")
+    group.add_argument("--distill", action="store_true",
+                       help="after the conversion, train the converted model's factors and biases to reproduce the "
+                            "original model's outputs on the calibration batches (holds both models in memory); "
+                            f"writes {DISTILLATION_CSV}")
+    group.add_argument("--distill-steps", type=positive_int, help="most Adam steps, one batch each (default 1000)")
+    group.add_argument("--distill-lr", type=positive_float, help="Adam's peak learning rate (default 1e-3)")
+
+
+def check_distill_options(args: argparse.Namespace) -> dict:
+    """``distill``'s keyword arguments the options set (CommandError for a setting without ``--distill``)."""
+    settings = {"max_steps": args.distill_steps, "lr": args.distill_lr}
+    settings = {name: value for name, value in settings.items() if value is not None}
+    if settings and not args.distill:
+        raise CommandError("--distill-steps and --distill-lr set the distillation: add --distill")
+    return settings
+
+
+def original_if_distilling(model: nn.Module, args: argparse.Namespace) -> Optional[nn.Module]:
+    """A copy of ``model`` as loaded (the teacher) with ``--distill``, else None (no second model)."""
+    return copy.deepcopy(model) if args.distill else None
+
+
+def run_distill(model: nn.Module, teacher: nn.Module, batches: List[dict], tokenizer, args: argparse.Namespace,
+                staging: Path, say) -> DistillationResult:
+    """``distill(model, teacher, batches)`` with the options (``--random-tokens N``: N random-token
+    sequences drawn afresh for each pass, as convert's), the key/value caches off; writes its
+    history (``step, train_loss, held_loss``) to ``staging/distillation.csv``."""
+    random = {"tokenizer": tokenizer, "random_tokens": args.random_tokens} if args.random_tokens else {}
+    with without_kv_cache(model), without_kv_cache(teacher):
+        result = distill(model, teacher, batches, progress=not args.quiet, **random, **check_distill_options(args))
+    result.history_frame().to_csv(staging / DISTILLATION_CSV, index=False)
+    say(f"distilled {result.steps} steps ({result.stop_reason}; kept step {result.best_step}): held-back loss "
+        f"{result.loss_before:.4g} -> {result.loss_after:.4g} in {result.seconds:.1f} s")
+    return result

@@ -1,0 +1,264 @@
+"""``panther_lite.distill``: end-to-end distillation of a converted model against the original.
+
+The closed-form fits of :func:`~panther_lite.conversion.convert` are optimal layer by layer,
+and block-wise refinement block by block; what they leave is the error the whole network
+compounds. ``distill`` trains the converted model's sketched factors (optionally their biases
+and the model's norms) with Adam so that its outputs match the original model's (the
+teacher's) on calibration batches (and, with ``random_tokens``, batches of random tokens),
+stopping when the loss on held-back batches stops improving and keeping the parameters best
+there (Hinton et al. 2015; the last step of SVD-LLM-style compression pipelines).
+
+Memory: the teacher and the student both (a float16/bfloat16 student held in float32 while it
+trains, :mod:`~panther_lite.conversion.fitting.master_weights`), a copy of the trained
+parameters (the best so far), their gradients and Adam's two moments, and one batch's
+activations of both models (the student's kept for the backward). Time: each step is one teacher forward and one student
+forward and backward on one batch; each evaluation is both forwards on every held-back batch.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from ...nn.layer_base import SketchedLayer
+from ...nn.validation import check_choice, check_int, check_positive_int
+from ..calibration.batches import evaluation_run
+from ..config import check_holdout, check_lr
+from ..fitting.block_refinement import only_these_train
+from ..fitting.master_weights import HALF_DTYPES, in_float32
+from ..fitting.refinement import best_kept
+from .objective import Objective, check_loss, check_outputs, check_temperature
+from .run import SCHEDULES, RandomTokens, Run, Session, Settings, data_batches, optimise
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+__all__ = ["DistillationResult", "TRAINABLE", "distill", "trained_parameters"]
+
+TRAINABLE = ("factors", "biases", "norms")
+
+
+@dataclass(frozen=True)
+class DistillationResult:
+    """What :func:`distill` did.
+
+    ``loss_before`` / ``loss_after``: the mean loss over the held-back batches before training
+    and with the parameters kept (``loss_after <= loss_before``: when no evaluation beats the
+    start, every parameter is restored bit for bit); ``steps``: optimizer steps taken (one
+    batch each); ``best_step``: the step whose parameters were kept (0: the original ones);
+    ``stop_reason``: ``"max_steps"``, ``"patience"`` or ``"non-finite loss"``;
+    ``stopped_early``: stopped before ``max_steps``; ``loss``: the loss used (``"mse"``,
+    ``"kl"``, ``"callable"``); ``train_batches`` / ``held_batches``: how the batches were
+    split; ``trained_elements``: parameter elements trained; ``seconds``: wall time;
+    ``history``: ``(step, mean training loss since the previous evaluation, held-back loss)``
+    at each evaluation, step 0 first (its training loss is NaN).
+    """
+
+    loss_before: float
+    loss_after: float
+    steps: int
+    best_step: int
+    stopped_early: bool
+    stop_reason: str
+    loss: str
+    train_batches: int
+    held_batches: int
+    trained_elements: int
+    seconds: float
+    history: Tuple[Tuple[int, float, float], ...] = field(default=(), repr=False)
+
+    def history_frame(self) -> "pd.DataFrame":
+        """``history`` as a DataFrame with columns ``step``, ``train_loss`` and ``held_loss``."""
+        import pandas as pd
+
+        return pd.DataFrame(list(self.history), columns=["step", "train_loss", "held_loss"])
+
+
+def _check_train(train) -> Tuple[str, ...]:
+    names = (train,) if isinstance(train, str) else train
+    if not isinstance(names, Iterable):
+        raise TypeError(f"distill: train must be a str or a sequence of some of {TRAINABLE}, got {train!r}")
+    names = tuple(names)
+    if not names or any(not isinstance(name, str) or name not in TRAINABLE for name in names):
+        raise ValueError(f"distill: train must name one or more of {TRAINABLE}, got {train!r}")
+    return tuple(dict.fromkeys(names))
+
+
+def _check_models(model, teacher) -> None:
+    for name, module in (("model", model), ("teacher", teacher)):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"distill: {name} must be an nn.Module, got {type(module).__name__}")
+    if model is teacher:
+        raise ValueError(
+            "distill: model and teacher are the same module; pass the converted model and the original "
+            "(keep a copy.deepcopy of it from before convert)"
+        )
+    if not any(isinstance(module, SketchedLayer) for module in model.modules()):
+        raise ValueError("distill: model has no sketched layer; convert it first (panther_lite.convert)")
+
+
+def trained_parameters(model: nn.Module, train: Sequence[str]) -> List[nn.Parameter]:
+    """The parameters ``train`` selects, each once, in module order: ``"factors"``, the
+    sketched layers' trainable factors (``S1``/``S2``, a convolution's ``S``); ``"biases"``,
+    their biases; ``"norms"``, the parameters of modules whose class name contains ``Norm``
+    (``LayerNorm``, ``RMSNorm``, ``BatchNorm2d``, ``LlamaRMSNorm``, ...)."""
+    chosen = {}
+    for module in model.modules():
+        if isinstance(module, SketchedLayer):
+            for name, parameter in module.named_parameters(recurse=False):
+                if ("biases" if name == "bias" else "factors") in train:
+                    chosen[id(parameter)] = parameter
+        elif "norms" in train and "Norm" in type(module).__name__:
+            chosen.update((id(p), p) for p in module.parameters(recurse=False))
+    return list(chosen.values())
+
+
+def _checked_parameters(model: nn.Module, teacher: nn.Module, train: Tuple[str, ...]) -> List[nn.Parameter]:
+    parameters = trained_parameters(model, train)
+    if not parameters:
+        raise ValueError(f"distill: train={train} selects no parameter of model")
+    teachers = {id(tensor) for tensor in itertools.chain(teacher.parameters(), teacher.buffers())}
+    widened = [t for t in itertools.chain(model.parameters(), model.buffers()) if t.dtype in HALF_DTYPES]
+    if any(id(tensor) in teachers for tensor in itertools.chain(parameters, widened)):
+        raise ValueError(
+            "distill: model shares tensors it would train (or, in half precision, hold in float32) with teacher, "
+            "so training would change the teacher; convert a copy.deepcopy of the original"
+        )
+    return parameters
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    tensor = next(iter(model.parameters()), None)
+    return torch.device("cpu") if tensor is None else tensor.device
+
+
+def _settings(max_steps, lr, schedule, patience, eval_every, seed) -> Settings:
+    return Settings(
+        max_steps=check_positive_int("max_steps", max_steps),
+        lr=check_lr(lr, "distill: "),
+        schedule=check_choice("schedule", schedule, SCHEDULES),
+        patience=check_positive_int("patience", patience),
+        eval_every=None if eval_every is None else check_positive_int("eval_every", eval_every),
+        seed=check_int("seed", seed, minimum=0),
+    )
+
+
+def distill(
+    model: nn.Module,
+    teacher: nn.Module,
+    data,
+    *,
+    train: Sequence[str] = ("factors", "biases"),
+    outputs=None,
+    loss="auto",
+    temperature: float = 1.0,
+    tokenizer=None,
+    random_tokens: int = 0,
+    random_token_length: int = 16,
+    max_steps: int = 1000,
+    lr: float = 1e-3,
+    schedule: str = "cosine",
+    holdout: float = 0.25,
+    patience: int = 10,
+    eval_every: Optional[int] = None,
+    seed: int = 0,
+    progress: Optional[bool] = None,
+) -> DistillationResult:
+    """Train ``model`` (converted, in place) to reproduce ``teacher``'s outputs (the original
+    model, never modified); early stopping on held-back batches keeps the best parameters.
+
+    Args:
+        model: the converted model (the student); holds at least one sketched layer.
+        teacher: the original model (run in eval mode under ``no_grad``; its parameters,
+            buffers, modes and flags are left as they were).
+        data: an iterable of batches as ``convert``'s ``calibration_data`` takes them
+            (Tensor → ``model(b)``, tuple → ``model(*b)``, dict → ``model(**b)``); each runs
+            through both models. A share ``holdout`` of them (with the random-token batches),
+            spread evenly, is held back for early stopping; at least two batches in all.
+        train: what trains, one or more of ``"factors"`` (the sketched layers' ``S1``/``S2``,
+            a convolution's ``S``), ``"biases"`` (their biases) and ``"norms"`` (parameters of
+            modules whose class name contains ``Norm``). Everything else stays frozen.
+        outputs: the output compared: None (a Tensor output, else ``logits``, else
+            ``last_hidden_state``, else a tuple's first tensor), a key or attribute name, a
+            tuple position, or a callable ``outputs(model_output) -> Tensor``.
+        loss: ``"auto"`` (``"kl"`` for logits, ``"mse"`` otherwise), ``"kl"``
+            (``T²·KL(softmax(t/T) ‖ softmax(s/T))`` per row), ``"mse"`` (``‖s − t‖²/‖t‖²`` per
+            batch), or a callable ``loss(student, teacher) -> scalar Tensor``. With a 2-D
+            ``attention_mask`` in a dict batch, outputs shaped ``(batch, tokens, …)`` are
+            compared at the real tokens only, reduced to ``(real tokens, …)``.
+        temperature: ``T`` of the ``"kl"`` loss.
+        tokenizer, random_tokens, random_token_length: add ``random_tokens`` sequences of
+            ``random_token_length`` random ordinary tokens
+            (:func:`~panther_lite.conversion.calibration.random_tokens.random_token_batches` with
+            ``seed``, batches of 32) to ``data``, on the model's device. Those that train
+            are drawn afresh for every pass over the training batches (seeds ``seed + 1``,
+            ``seed + 2``, ...); those held back stay.
+        max_steps: most optimizer steps, each on one training batch (reshuffled every pass).
+        lr: Adam's peak learning rate, reached after a linear warm-up over the first 5% of
+            ``max_steps`` (Adam's first steps move every entry by about ``lr``).
+        schedule: after the warm-up, ``"cosine"`` decays the rate to 0 at ``max_steps``;
+            ``"constant"`` keeps it.
+        holdout: fraction in (0, 1) of the batches held back (at least one, at most all but one).
+        patience: stop after this many evaluations without a better held-back loss.
+        eval_every: steps between evaluations (None: one pass over the training batches).
+        seed: the order of the training batches and the random tokens.
+        progress: a tqdm bar over the steps (None: on a terminal only).
+
+    Returns:
+        :class:`DistillationResult`; the model holds the parameters best on the held-back
+        batches (its original ones when no evaluation beat them).
+
+    Half precision: a float16/bfloat16 student is held in float32 while it trains (float32
+    master weights: its forward, backward and Adam's updates in float32, so small updates
+    accumulate), the losses measured so, and rounded back to its dtype at the end; the
+    teacher runs in its own dtype. The model trains in eval mode (no dropout);
+    every module's mode, every parameter's ``requires_grad`` and the trained parameters'
+    ``.grad`` are restored afterwards, also after an error or KeyboardInterrupt, which leave
+    the model with the best parameters found so far.
+
+    Memory and time: see :mod:`panther_lite.conversion.distilling.distillation`.
+
+    Raises:
+        TypeError / ValueError naming the argument, before anything is changed:
+        ``model is teacher``, no sketched layer in ``model``, tensors the teacher shares that
+        training would change (the trained ones; in half precision, any), empty or
+        single-batch ``data``, a bad batch, outputs that differ in shape or are not
+        floating-point tensors, a non-finite loss before training, and
+        settings out of range (``lr <= 0``, ``holdout`` outside (0, 1), ...).
+    """
+    start = time.perf_counter()
+    _check_models(model, teacher)
+    train, settings = _check_train(train), _settings(max_steps, lr, schedule, patience, eval_every, seed)
+    objective = Objective(check_outputs(outputs), check_loss(loss), check_temperature(temperature))
+    holdout = check_holdout(holdout, "distill: ")
+    parameters = _checked_parameters(model, teacher, train)
+    random = RandomTokens(tokenizer, random_tokens, random_token_length, settings.seed, _device_of(model))
+    session = Session(model, teacher, data_batches(data), random, holdout, objective)
+    with only_these_train(model, parameters), best_kept(parameters) as best, in_float32(model) as widened:
+        session.widen = widened
+        with evaluation_run(model):
+            loss_before = session.held_loss()
+        if loss_before == math.inf:
+            raise ValueError("distill: the held-back loss before training is not finite; check data and the teacher's outputs")
+        run = Run(best_loss=loss_before, history=[(0, math.nan, loss_before)])
+        optimise(session, parameters, best, run, settings, progress)
+    return DistillationResult(
+        loss_before=loss_before,
+        loss_after=run.best_loss,
+        steps=run.steps,
+        best_step=run.best_step,
+        stopped_early=run.steps < settings.max_steps,
+        stop_reason=run.stop_reason,
+        loss=objective.kind,
+        train_batches=len(session.train),
+        held_batches=len(session.held),
+        trained_elements=sum(parameter.numel() for parameter in parameters),
+        seconds=time.perf_counter() - start,
+        history=tuple(run.history),
+    )

@@ -1,0 +1,212 @@
+"""One distillation run (:func:`~panther_lite.conversion.distilling.distillation.distill`): the batches
+and their held-back split, the loss of one batch, and the Adam loop with its warm-up,
+schedule and early stopping on the held-back loss."""
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ...nn.validation import check_int, check_positive_int
+from ..calibration.batches import evaluation_run, run_batch
+from ..calibration.random_tokens import random_token_batches
+from ..fitting.master_weights import widened
+from ..fitting.refinement import held_back_indices
+from ..rules import progress_bar
+
+__all__ = ["SCHEDULES", "RandomTokens", "Run", "Session", "Settings", "data_batches", "optimise"]
+
+SCHEDULES = ("cosine", "constant")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The loop settings of :func:`~panther_lite.conversion.distilling.distillation.distill`, validated
+    (see its arguments)."""
+
+    max_steps: int
+    lr: float
+    schedule: str
+    patience: int
+    eval_every: Optional[int]
+    seed: int
+
+
+def data_batches(data) -> list:
+    """``data``'s batches as a list (TypeError naming a bad one)."""
+    if isinstance(data, Tensor):
+        raise TypeError("distill: data must be an iterable of batches, got a single Tensor; pass e.g. x.split(32)")
+    if callable(data) or isinstance(data, (str, bytes, Mapping)) or not isinstance(data, Iterable):
+        raise TypeError(f"distill: data must be an iterable of batches (Tensor, tuple or dict), got {type(data).__name__}")
+    batches = list(data)
+    for index, batch in enumerate(batches):
+        if not isinstance(batch, (Tensor, tuple, list, Mapping)):
+            raise TypeError(
+                f"distill: data batch {index} is {type(batch).__name__}; batches must be a Tensor (model(b)), "
+                "a tuple/list (model(*b)) or a dict (model(**b))"
+            )
+    return batches
+
+
+class RandomTokens:
+    """``draw(p)``: ``count`` random-token sequences of ``length`` tokens (seed ``seed + p``)
+    in batches of 32 on ``device``."""
+
+    def __init__(self, tokenizer, count, length, seed: int, device: torch.device) -> None:
+        self.count = check_int("random_tokens", count, minimum=0)
+        self.length = check_positive_int("random_token_length", length)
+        if self.count and tokenizer is None:
+            raise ValueError(f"distill: random_tokens={count} needs tokenizer= (the model's tokenizer)")
+        self.tokenizer, self.seed, self.device = tokenizer, seed, device
+
+    def draw(self, draw: int) -> list:
+        if not self.count:
+            return []
+        batches = random_token_batches(self.tokenizer, self.count, self.length, seed=self.seed + draw)
+        return [{key: value.to(self.device) for key, value in batch.items()} for batch in batches]
+
+
+class Session:
+    """The student, the teacher, the batches and how they are compared: ``data``'s batches
+    and then the random-token ones; ``held`` / ``train``: the indices of the held-back and
+    training batches, spread evenly over them all; ``widen``: the student is held in float32
+    (:func:`~panther_lite.conversion.fitting.master_weights.in_float32`), so its batches'
+    half-precision tensors are widened (the teacher's are not)."""
+
+    def __init__(self, model, teacher, data: list, random_tokens: RandomTokens, holdout: float, objective) -> None:
+        self.model, self.teacher, self.objective, self.random_tokens = model, teacher, objective, random_tokens
+        self.widen = False
+        self.first_random, self.batches = len(data), data + random_tokens.draw(0)
+        if len(self.batches) < 2:
+            raise ValueError(
+                f"distill: data holds {len(self.batches)} batch(es); at least 2 are needed, as one is held back for "
+                "early stopping (split the batch, e.g. x.split(32), or add random_tokens)"
+            )
+        self.held = held_back_indices(len(self.batches), holdout)
+        self.train = [index for index in range(len(self.batches)) if index not in self.held]
+
+    def loss(self, index: int) -> Tensor:
+        """The loss of batch ``index``: the teacher in eval mode without grad, the student as it is."""
+        batch = self.batches[index]
+        with evaluation_run(self.teacher):
+            target = run_batch(self.teacher, batch, index)
+        output = run_batch(self.model, widened(batch) if self.widen else batch, index)
+        return self.objective(batch, output, target)
+
+    def held_loss(self) -> float:
+        """The mean loss over the held-back batches (inf when not finite); the student is
+        expected in eval mode."""
+        with torch.no_grad():
+            total = sum(float(self.loss(index)) for index in self.held)
+        mean = total / len(self.held)
+        return mean if math.isfinite(mean) else math.inf
+
+    def passes(self, seed: int) -> Iterator[int]:
+        """The training batches' indices over and over, reshuffled for each pass; from the
+        second pass on, the training random-token batches are drawn afresh (the held-back
+        ones stay), so the model never sees the same random sequence twice."""
+        generator = torch.Generator().manual_seed(seed)
+        for draw in itertools.count():
+            if draw and self.random_tokens.count:
+                fresh = self.random_tokens.draw(draw)
+                for index in self.train:
+                    if index >= self.first_random:
+                        self.batches[index] = fresh[index - self.first_random]
+            for position in torch.randperm(len(self.train), generator=generator).tolist():
+                yield self.train[position]
+
+
+def _lr_factor(schedule: str, max_steps: int) -> Callable[[int], float]:
+    """The learning rate of step ``i`` (0-based) over ``lr``: a linear warm-up over the first
+    5% of ``max_steps`` (Adam's first steps are about ``lr`` on every entry whatever the
+    gradient), then constant or a cosine decay to 0 at ``max_steps``."""
+    warmup = max(1, max_steps // 20)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, max_steps - warmup)))
+
+    return factor
+
+
+@dataclass
+class Run:
+    """The state of the loop: the best held-back loss so far, where it was found, and the
+    training losses since the last evaluation."""
+
+    best_loss: float
+    steps: int = 0
+    best_step: int = 0
+    stop_reason: str = "max_steps"
+    since_best: int = 0
+    history: List[Tuple[int, float, float]] = field(default_factory=list)
+    train_losses: List[float] = field(default_factory=list)
+
+    def evaluated(self, held: float, parameters, best: List[Tensor], patience: int) -> bool:
+        """Record an evaluation after ``self.steps`` steps, keep the parameters when they are
+        the best so far; False when training must stop."""
+        train_loss = sum(self.train_losses) / len(self.train_losses)
+        self.history.append((self.steps, train_loss, held))
+        self.train_losses.clear()
+        if held == math.inf:
+            self.stop_reason = "non-finite loss"
+            return False
+        if held < self.best_loss:
+            self.best_loss, self.best_step, self.since_best = held, self.steps, 0
+            with torch.no_grad():
+                for keep, parameter in zip(best, parameters):
+                    keep.copy_(parameter)
+            return True
+        self.since_best += 1
+        if self.since_best >= patience:
+            self.stop_reason = "patience"
+            return False
+        return True
+
+
+def _step(session: Session, index: int, optimizer) -> Optional[float]:
+    """One Adam step on batch ``index``: its loss, or None (and no step) when the loss is not finite."""
+    loss = session.loss(index)
+    if not torch.isfinite(loss):
+        return None
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
+
+
+def optimise(session: Session, parameters, best: List[Tensor], run: Run, settings: Settings, progress) -> None:
+    """Train until ``max_steps``, ``patience`` evaluations without a better held-back loss,
+    or a non-finite loss, keeping the best parameters in ``best``."""
+    optimizer = torch.optim.Adam(parameters, lr=settings.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(settings.schedule, settings.max_steps))
+    order = session.passes(settings.seed)
+    eval_every = settings.eval_every or len(session.train)
+    bar = progress_bar(range(1, settings.max_steps + 1), "distilling", "step", progress)
+    try:
+        for step in bar:
+            loss = _step(session, next(order), optimizer)
+            if loss is None:
+                run.stop_reason = "non-finite loss"
+                return
+            schedule.step()
+            run.steps = step
+            run.train_losses.append(loss)
+            if step % eval_every and step < settings.max_steps:
+                continue
+            held = session.held_loss()
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(held_loss=f"{held:.4g}")
+            if not run.evaluated(held, parameters, best, settings.patience):
+                return
+    finally:
+        if hasattr(bar, "close"):
+            bar.close()
