@@ -22,7 +22,8 @@ block moved to the calibration device and back) and the blocks' gains to the out
 """
 from __future__ import annotations
 
-from typing import ContextManager, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -64,29 +65,52 @@ def _swap_sending_home(model: nn.Module, block_fits: Dict[str, FitResult], home:
     return swaps
 
 
+@dataclass
+class BlockSchedule:
+    """Where :func:`_convert_blocks` starts and stops, and who hears of each finished block (a
+    pipeline saving its progress, :mod:`.out_of_core`): from block ``start`` on the streams
+    ``original`` and ``current`` (None: the calls given, for both); the calls run through block
+    ``through`` included (None: as far as the last block holding a layer to convert needs them);
+    ``done(index, block_fits, streams)`` is called once block ``index`` is swapped and out of
+    ``materialise``, ``streams`` the next block's ``(original, current)`` calls (None: not run)."""
+
+    start: int = 0
+    original: Optional[List[BlockCall]] = None
+    current: Optional[List[BlockCall]] = None
+    through: Optional[int] = None
+    done: Optional[Callable[[int, Dict[str, FitResult], Optional[Tuple[list, list]]], None]] = None
+
+
 def _convert_blocks(
     model: nn.Module, todo: List[LayerRecord], block_list: BlockList, calls, config: ConvertConfig, log: SwapLog,
-    after_fit: Optional[AfterFit], materialise: Materialise,
+    after_fit: Optional[AfterFit], materialise: Materialise, schedule: Optional[BlockSchedule] = None,
 ) -> Dict[str, FitResult]:
-    """Fit and swap the blocks' layers block by block (swaps appended to ``log``)."""
+    """Fit and swap the blocks' layers block by block (swaps appended to ``log``), as ``schedule`` says."""
+    schedule = schedule or BlockSchedule()
     last = max((i for i in range(len(block_list.blocks)) if block_list.records_in(i, todo)), default=-1)
+    through = last - 1 if schedule.through is None else max(last - 1, schedule.through)
     cache, device, fits = config.cache_device, config.calibration_device, {}
-    original = current = calls
-    for index, block in enumerate(progress_bar(block_list.blocks[: last + 1], "converting", "block", config.progress)):
+    original = calls if schedule.original is None else schedule.original
+    current = original if schedule.current is None else schedule.current
+    indices = range(schedule.start, max(last, through) + 1)
+    for index in progress_bar(indices, "converting", "block", config.progress):
+        block, advance = block_list.blocks[index], index <= through
         here, where, home = block_list.records_in(index, todo), block_list.prefix(index)[:-1], block_device(block)
         with materialise(index, block):
             runner = BlockRunner(model, block, device)
             first_index = todo.index(here[0]) if here else 0
             block_fits = _fit_block(runner, here, original, current, config, first_index)
-            targets = run_block(runner, original, cache, where) if index < last or after_fit is not None else None
+            targets = run_block(runner, original, cache, where) if advance or after_fit is not None else None
             log += _swap_sending_home(model, block_fits, home)
             fits.update(block_fits)
             if after_fit is not None:
                 outputs = [hidden_states(call) for call in targets]
                 after_fit(FittedBlock(index, where, block, runner, here, block_fits, current, outputs))
-            if index < last:
+            if advance:
                 current = run_block(runner, current, cache, where) if config.sequential else targets
                 original = targets
+        if schedule.done is not None:
+            schedule.done(index, block_fits, (original, current) if advance else None)
     return fits
 
 

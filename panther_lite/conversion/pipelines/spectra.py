@@ -11,7 +11,7 @@ every pooled layer.
 """
 from __future__ import annotations
 
-from typing import Callable, ContextManager, Dict, List, Tuple
+from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
@@ -28,6 +28,7 @@ from .blocks import BlockCall, BlockList, BlockRunner, run_block
 
 Materialise = Callable[[int, nn.Module], ContextManager]
 BlockGains = Callable[[List[nn.Module]], List[float]]
+OutsideSpectra = Callable[[List[LayerRecord], List[BlockCall]], Tuple[dict, dict]]
 
 
 def _spectra(model: nn.Module, pooled: List[LayerRecord], data: CalibrationData, device) -> Tuple[dict, dict]:
@@ -45,16 +46,20 @@ def _spectra(model: nn.Module, pooled: List[LayerRecord], data: CalibrationData,
 def spectra_pass(
     model: nn.Module, pooled: List[LayerRecord], block_list: BlockList, calls: List[BlockCall],
     config: ConvertConfig, data: CalibrationData, materialise: Materialise, block_gains: BlockGains,
+    outside_spectra: Optional[OutsideSpectra] = None,
 ) -> Tuple[Dict[str, object], Dict[str, float]]:
     """``(energies, gains)`` of every pooled layer (see the module docstring); each block is
     run inside ``materialise(index, block)``; ``block_gains(blocks)`` gives the squared gain of
-    each block's output to the model's output."""
+    each block's output to the model's output. ``outside_spectra(records, calls)``, when given,
+    gives those of the pooled layers outside the blocks from the calls after the last block
+    (a pipeline that cannot run the whole model); the blocks then all run."""
     last = max((i for i in range(len(block_list.blocks)) if block_list.records_in(i, pooled)), default=-1)
     outside = [record for record in pooled if not block_list.inside(record)]
     device = config.calibration_device
-    energies, gains = _spectra(model, outside, data, device) if outside else ({}, {})
+    through = len(block_list.blocks) - 1 if outside and outside_spectra is not None else last - 1
+    energies, gains = _spectra(model, outside, data, device) if outside and outside_spectra is None else ({}, {})
     gains_to_output = block_gains(block_list.blocks[: last + 1])
-    blocks = progress_bar(block_list.blocks[: last + 1], "measuring spectra", "block", config.progress)
+    blocks = progress_bar(block_list.blocks[: max(last, through) + 1], "measuring spectra", "block", config.progress)
     for index, block in enumerate(blocks):
         here = block_list.records_in(index, pooled)
         with materialise(index, block):
@@ -63,17 +68,24 @@ def spectra_pass(
                 block_energies, within = _spectra(runner, here, CalibrationData(calls), device)
                 energies.update(block_energies)
                 gains.update({name: gain * gains_to_output[index] for name, gain in within.items()})
-            if index < last:
+            if index <= through:
                 calls = run_block(runner, calls, config.cache_device, block_list.prefix(index)[:-1])
+    if outside and outside_spectra is not None:
+        outside_energies, outside_gains = outside_spectra(outside, calls)
+        energies.update(outside_energies)
+        gains.update(outside_gains)
     return energies, gains
 
 
 def plan_global_by_blocks(
     model: nn.Module, pooled: List[LayerRecord], block_list: BlockList, calls: List[BlockCall],
     config: ConvertConfig, data: CalibrationData, materialise: Materialise, block_gains: BlockGains,
+    outside_spectra: Optional[OutsideSpectra] = None,
 ) -> Dict[str, PlanNote]:
     """:func:`~panther_lite.conversion.planning.global_plan.plan_global` over ``pooled`` from
     one :func:`spectra_pass` over the dense blocks."""
-    energies, gains = spectra_pass(model, pooled, block_list, calls, config, data, materialise, block_gains)
+    energies, gains = spectra_pass(
+        model, pooled, block_list, calls, config, data, materialise, block_gains, outside_spectra
+    )
     sizes = config.sizes
     return plan_global(pooled, sizes.default, sizes.ratio_terms, rank_multiple_for(config.align), {}, gains, energies)
