@@ -54,15 +54,13 @@ def _fit_block(runner, here: List[LayerRecord], original, current, config: Conve
     return fit_planned(runner, here, config, calibration, first_index=first_index)
 
 
-def _swap_sending_home(model: nn.Module, block_fits: Dict[str, FitResult], home: Optional[torch.device]) -> SwapLog:
-    """Swap the block's fitted layers in; the dense originals leave the block while it is on
-    the calibration device, so they go back to the block's own device now (an undo, or a
-    layer kept dense, puts them back into the model there)."""
-    swaps = swap_modules(model, [(name, fit.module) for name, fit in block_fits.items()])
+def _send_home(swaps: SwapLog, home: Optional[torch.device]) -> None:
+    """The dense originals a block's swaps took out leave the calibration device once the block
+    is done with them (refinement reads them), for the block's own device (an undo, or a layer
+    kept dense, puts them back into the model there)."""
     if home is not None:
         for _, _, original in swaps:
             original.to(home)
-    return swaps
 
 
 @dataclass
@@ -101,7 +99,8 @@ def _convert_blocks(
             first_index = todo.index(here[0]) if here else 0
             block_fits = _fit_block(runner, here, original, current, config, first_index)
             targets = run_block(runner, original, cache, where) if advance or after_fit is not None else None
-            log += _swap_sending_home(model, block_fits, home)
+            swaps = swap_modules(model, [(name, fit.module) for name, fit in block_fits.items()])
+            log += swaps
             fits.update(block_fits)
             if after_fit is not None:
                 outputs = [hidden_states(call) for call in targets]
@@ -109,6 +108,7 @@ def _convert_blocks(
             if advance:
                 current = run_block(runner, current, cache, where) if config.sequential else targets
                 original = targets
+            _send_home(swaps, home)
         if schedule.done is not None:
             schedule.done(index, block_fits, (original, current) if advance else None)
     return fits
