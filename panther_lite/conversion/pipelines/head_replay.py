@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 
 from ..calibration.batches import evaluation_run, run_batch
 from ..planning.sensitivity import _first_tensor
-from .blocks import BlockCall, BlockList, _output_hidden, _with_hidden, hidden_states
+from .blocks import BlockCall, BlockList, _output_hidden, _with_hidden
 
 __all__ = ["HeadRunner", "output_template", "streamed_block_gains"]
 

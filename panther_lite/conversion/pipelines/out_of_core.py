@@ -152,7 +152,7 @@ class OutOfCore(ByBlocks):
 
     def plan(self, job: Conversion) -> Dict[str, PlanNote]:
         """The saved plan of a resumed run, else :meth:`ByBlocks.plan`'s (the layers outside the
-        blocks from the blocks' outputs), saved."""
+        blocks from the blocks' outputs), saved when it took a pass over the blocks (global)."""
         self.job, config = job, job.config
         saved = self.state.plan()
         if saved is not None:
@@ -163,7 +163,7 @@ class OutOfCore(ByBlocks):
                 job.model, pooled, self.block_list, self._calls(), config, job.data, self.materialise,
                 self.block_gains, self._outside_spectra,
             ))
-        self.state.save_plan(_plan_record(job.records, notes))
+            self.state.save_plan(_plan_record(job.records, notes))  # a pass over the blocks: kept
         return notes
 
     def _commit(self, index: int, block_fits: Dict[str, FitResult], streams) -> None:
@@ -277,11 +277,13 @@ def choose_out_of_core(job: Conversion, files: CheckpointFiles, state: RunState)
     streamed block by block, else ``(None, why not)``: the model has a block list (``blocks``),
     the calibration data is a non-empty list of batches, no parameter is tied across blocks, the
     checkpoint holds every tensor under the model's names, and the blocks form a chain on the
-    first batch (:func:`probe`; skipped when resuming a run that had planned). A ``blocks`` path
+    first batch (:func:`probe`; not again when resuming a run that planned or wrote blocks). A ``blocks`` path
     whose blocks are not a chain is a ValueError. Chosen, the parts outside the blocks are loaded."""
     config = job.config
     block_list, description = find_blocks(job.model, job.records, config.blocks)
     problem = description if block_list is None else _data_problem(job)
+    if problem is None and not files.files:
+        problem = "MODEL_DIR has no safetensors weights to read block by block"
     if problem is not None:
         return None, problem
     parts = SkeletonParts(job.model, files, block_list)
@@ -290,7 +292,7 @@ def choose_out_of_core(job: Conversion, files: CheckpointFiles, state: RunState)
         return None, (f"parameters tied across blocks ({', '.join(tied[0])})" if tied else
                       f"the checkpoint holds no {', '.join(missing[:3])} (names other than the model's)")
     parts.load(None)
-    if state.plan() is None:
+    if not state.holds_work:  # a run that planned or wrote blocks checked the chain already
         problem = probe(parts, job.data.first_batch(), config.allocation == "global", state)
         if problem is not None and config.blocks not in (None, "auto"):
             raise ValueError(f"blocks={config.blocks!r}: {problem}; pass blocks=False")

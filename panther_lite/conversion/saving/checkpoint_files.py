@@ -76,12 +76,18 @@ def read_header(path: Path) -> Tuple[dict, int]:
 
 
 def _weight_files(directory: Path) -> List[Path]:
-    """The safetensors files holding the checkpoint's tensors (one file, or the shards its index names)."""
+    """The safetensors files holding the checkpoint's tensors (one file, or the shards its index
+    names; none when it has neither, e.g. weights in PyTorch's pickle format only)."""
     if (directory / WEIGHTS_NAME).is_file():
         return [directory / WEIGHTS_NAME]
     index = directory / SHARD_INDEX_NAME
     if not index.is_file():
-        raise ValueError(f"MODEL_DIR {str(directory)!r} has neither {WEIGHTS_NAME} nor {SHARD_INDEX_NAME}")
+        if not any(directory.glob("pytorch_model*.bin*")):
+            raise ValueError(
+                f"MODEL_DIR {str(directory)!r} has no weights: neither {WEIGHTS_NAME}, {SHARD_INDEX_NAME} nor "
+                "pytorch_model.bin"
+            )
+        return []
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         names = sorted(set(weight_map.values()))
@@ -95,9 +101,10 @@ def _weight_files(directory: Path) -> List[Path]:
 
 class CheckpointFiles:
     """A transformers checkpoint directory: ``config`` (read with ``AutoConfig``),
-    ``auto_class`` (:func:`auto_class_for`), and ``tensors``: ``{name: (file, dtype, shape)}``
-    for every tensor of its safetensors files, read from their headers; nothing else is read
-    until :meth:`read` asks for some tensors. ValueError naming the file for anything unreadable."""
+    ``auto_class`` (:func:`auto_class_for`), ``files`` (its safetensors files, none when it has
+    other weights) and ``tensors``: ``{name: (file, dtype, shape)}`` for every tensor in them,
+    read from their headers; nothing else is read until :meth:`read` asks for some tensors.
+    ValueError naming the file for anything unreadable."""
 
     def __init__(self, directory: Path) -> None:
         transformers = require("transformers", "reading a transformers checkpoint")

@@ -82,7 +82,8 @@ class RunState:
 
     @property
     def holds_work(self) -> bool:
-        """Whether a plan or a finished block is saved (the directory is worth keeping)."""
+        """Whether a plan (global allocation's, from a pass over the blocks) or a finished block
+        is saved: the directory is worth keeping."""
         return (self.root / "plan.json").is_file() or (self.root / "progress.pt").is_file()
 
     def part_path(self, name: str) -> Path:
