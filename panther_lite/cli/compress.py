@@ -71,6 +71,19 @@ def _device(text: str) -> str:
     return text
 
 
+def _add_selection_options(command) -> None:
+    """Target/exclude options (PEFT's semantics), each a list of names or a regex."""
+    selection = command.add_argument_group("layer selection (PEFT's semantics; exclusion wins)")
+    targets = selection.add_mutually_exclusive_group()
+    targets.add_argument("--target-modules", action="append", metavar="NAME",
+                         help="a module name or dotted suffix, or all-linear; repeatable")
+    targets.add_argument("--target-regex", metavar="REGEX", help="a regex full-matched against module names")
+    excludes = selection.add_mutually_exclusive_group()
+    excludes.add_argument("--exclude-modules", action="append", metavar="NAME",
+                          help="a module name or dotted suffix; repeatable")
+    excludes.add_argument("--exclude-regex", metavar="REGEX", help="a regex full-matched against module names")
+
+
 def add_compress_command(subparsers) -> None:
     """Register ``compress`` and its options (they mirror :func:`panther_lite.convert`'s)."""
     command = subparsers.add_parser(
@@ -123,15 +136,7 @@ def add_compress_command(subparsers) -> None:
                         help="after each block's fits, Adam steps so it reproduces the original block's outputs")
     refine.add_argument("--refine-steps", type=positive_int, help="most Adam steps per block (default 100)")
     refine.add_argument("--refine-lr", type=positive_float, help="Adam's learning rate (default 1e-3)")
-    selection = command.add_argument_group("layer selection (PEFT's semantics; exclusion wins)")
-    targets = selection.add_mutually_exclusive_group()
-    targets.add_argument("--target-modules", action="append", metavar="NAME",
-                         help="a module name or dotted suffix, or all-linear; repeatable")
-    targets.add_argument("--target-regex", metavar="REGEX", help="a regex full-matched against module names")
-    excludes = selection.add_mutually_exclusive_group()
-    excludes.add_argument("--exclude-modules", action="append", metavar="NAME",
-                          help="a module name or dotted suffix; repeatable")
-    excludes.add_argument("--exclude-regex", metavar="REGEX", help="a regex full-matched against module names")
+    _add_selection_options(command)
     command.set_defaults(run=run_compress)
 
 
