@@ -121,7 +121,7 @@ def command_cases(part: str, quick: bool) -> list:
     return [(32, 4096, 11008, 32, 32, ("streamed",))]
 
 
-def run_command_case(case: tuple, work: Path, environment: dict, trace: Path) -> list:
+def run_command_case(case: tuple, work: Path, environment: dict, trace: Path, device: str = "cpu") -> list:
     """Write the case's checkpoint, compress it in each mode (a fresh process each), remove it."""
     import transformers
 
@@ -136,18 +136,28 @@ def run_command_case(case: tuple, work: Path, environment: dict, trace: Path) ->
     for mode in modes:
         shutil.rmtree(output, ignore_errors=True)
         argv = [sys.executable, "-m", "panther_lite", "compress", str(checkpoint), "--calibration", str(TEXT),
-                "--output", str(output), *COMMAND_OPTIONS, *(["--in-memory"] if mode == "in memory" else [])]
+                "--output", str(output), *COMMAND_OPTIONS, "--calibration-device", device,
+                *(["--in-memory"] if mode == "in memory" else [])]
         with open(trace, "a") as log:
             log.write(f"# {layers} layers, {mode}: seconds,peak_bytes\n")
             measured = command_peak(argv, environment, log)
         rows.append(dict(layers=layers, hidden=hidden, ffn=ffn, dtype="bfloat16", mode=mode,
                          checkpoint_gb=weights / 1e9, seconds=measured["seconds"], peak_gb=measured["peak_bytes"] / 1e9,
                          peak_over_checkpoint=measured["peak_bytes"] / weights, returncode=measured["returncode"],
-                         options=" ".join(COMMAND_OPTIONS)))
+                         options=" ".join(COMMAND_OPTIONS), calibration_device=device))
         print(rows[-1], flush=True)
     shutil.rmtree(checkpoint)
     shutil.rmtree(output, ignore_errors=True)
     return rows
+
+
+def _finish(fig, df: pd.DataFrame, what: str, path: Path) -> None:
+    """Legends, the title naming ``what`` ran, the machine and its load, and the PNG."""
+    for ax in fig.axes:
+        ax.legend(fontsize=8)
+    note = f", {df['note'].iloc[0]}" if df["note"].iloc[0] else ""
+    fig.suptitle(f"{what} at scale — {df['machine'].iloc[0]}{note}", fontsize=9)
+    save_figure(fig, path)
 
 
 def _plot_command(df: pd.DataFrame, part: str, path: Path) -> None:
@@ -159,11 +169,7 @@ def _plot_command(df: pd.DataFrame, part: str, path: Path) -> None:
     memory_ax.plot(df["layers"], df["checkpoint_gb"], "k--", label="checkpoint size")
     seconds_ax.set(xlabel="layers", ylabel="minutes", title=f"{part}: compress time")
     memory_ax.set(xlabel="layers", ylabel="GB", title=f"{part}: the command's peak resident memory")
-    for ax in (seconds_ax, memory_ax):
-        ax.legend(fontsize=8)
-    note = f", {df['note'].iloc[0]}" if df["note"].iloc[0] else ""
-    fig.suptitle(f"python -m panther_lite compress at scale — {df['machine'].iloc[0]}{note}", fontsize=9)
-    save_figure(fig, path)
+    _finish(fig, df, "python -m panther_lite compress", path)
 
 
 def _run_command_part(part: str, args, environment: dict) -> None:
@@ -171,7 +177,8 @@ def _run_command_part(part: str, args, environment: dict) -> None:
     environment = {**environment, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     rows = []
     for case in command_cases(part, args.quick):
-        rows += run_command_case(case, args.work_dir, environment, args.work_dir / f"trace_{part}.csv")
+        trace = args.work_dir / f"trace_{part}.csv"
+        rows += run_command_case(case, args.work_dir, environment, trace, args.calibration_device)
         df = pd.DataFrame(rows)
         df["machine"], df["note"] = device_name("cpu"), args.note
         df["malloc_mmap_threshold"] = environment.get("MALLOC_MMAP_THRESHOLD_", "glibc default")
@@ -191,11 +198,7 @@ def _plot(df: pd.DataFrame, part: str, path: Path) -> None:
     memory_ax.plot(df["layers"], df["model_gb"], "k--", label="model size")
     seconds_ax.set(xlabel="layers", ylabel="convert time (s)", title=f"{part}: time")
     memory_ax.set(xlabel="layers", ylabel="GB", title=f"{part}: memory added during convert")
-    for ax in (seconds_ax, memory_ax):
-        ax.legend(fontsize=8)
-    note = f", {df['note'].iloc[0]}" if df["note"].iloc[0] else ""
-    fig.suptitle(f"panther_lite.convert at scale — {df['machine'].iloc[0]}{note}", fontsize=9)
-    save_figure(fig, path)
+    _finish(fig, df, "panther_lite.convert", path)
 
 
 def main(argv=None) -> None:

@@ -175,9 +175,10 @@ def compress_checkpoint(
         model_dir: a transformers ``save_pretrained`` directory with safetensors weights.
         output_dir: where to write; must not be, hold or lie inside ``model_dir``.
         calibration_data: a list of batches (``model(**batch)`` for a dict, ...) as for ``convert``.
-        config, **options: a :class:`~panther_lite.ConvertConfig` and its fields as overrides,
-            as for ``convert``; also ``dtype`` (None: the checkpoint's), ``overwrite`` (replace
-            a non-empty ``output_dir``) and ``in_memory`` (load the model whole, as ``convert`` needs).
+        config: a :class:`~panther_lite.ConvertConfig` (None: its defaults), as for ``convert``.
+        **options: its fields as overrides, as for ``convert``; also ``dtype`` (None: the
+            checkpoint's), ``overwrite`` (replace a non-empty ``output_dir``) and ``in_memory``
+            (load the model whole and convert it in memory).
         resume: continue the run a staging directory holds (with none, start afresh).
 
     Returns:
