@@ -217,18 +217,21 @@ class OutOfCore(ByBlocks):
 
     def _fit_blocks(self, job: Conversion, log: SwapLog) -> Dict[str, FitResult]:
         """The blocks from the first one not written on: fitted, written and committed (those
-        after the last with a layer to convert are copied through)."""
+        after the last with a layer to convert are copied through), the parts outside the
+        blocks released meanwhile (read again after)."""
         outside = [record for record in job.todo if not self.block_list.inside(record)]
         count = len(self.block_list.blocks)
         original, current = self.streams if self.streams is not None else (None, None)
         schedule = BlockSchedule(self.finished, original, current, count - 1 if outside else None, self._commit)
         calls = self._calls() if self.finished == 0 else []
+        self.parts.release(None)  # the embeddings and the head are not needed while the blocks are fitted
         fits = _convert_blocks(job.model, job.todo, self.block_list, calls, job.config, log, self.refiner,
                                self.materialise, schedule)
         for index in range(self.finished, count):
             with self.materialise(index, self.block_list.blocks[index]):
                 pass
             self._commit(index, {}, None)
+        self.parts.load(None)
         return fits
 
     def _fit_outside(self, job: Conversion, log: SwapLog) -> Dict[str, FitResult]:
