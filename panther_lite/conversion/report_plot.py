@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from ..figures import new_figure, save_figure
-from ..conversion.records import CONVERTED
+from .records import CONVERTED
 
 __all__ = ["plot_conversion_report"]
 
