@@ -269,7 +269,7 @@ def test_failure_or_ctrl_c_before_any_block_is_written_leaves_nothing(failure, c
     def fail(*args, **kwargs):
         raise failure("stopped before the first block")
 
-    monkeypatch.setattr(out_of_core, "capture_inputs", fail)
+    monkeypatch.setattr(out_of_core.OutOfCore, "capture", fail)
     status = main(_argv(checkpoints["gpt2"], text_file, output, *RATIO_ARGS))
     assert status == (130 if failure is KeyboardInterrupt else 1)
     assert "Traceback" not in capsys.readouterr().err

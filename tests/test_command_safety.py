@@ -115,18 +115,18 @@ from panther_lite.conversion.pipelines import out_of_core
 from panther_lite.conversion.saving.resume_state import RunState
 
 signum = getattr(signal, os.environ["SIGNAL"])
-capture, commit = out_of_core.capture_inputs, RunState.commit
+capture, commit = out_of_core.OutOfCore.capture, RunState.commit
 
-def signalled_before_the_blocks(*args, **kwargs):
+def signalled_before_the_blocks(self, *args, **kwargs):
     os.kill(os.getpid(), signum)
-    return capture(*args, **kwargs)
+    return capture(self, *args, **kwargs)
 
 def signalled_after_the_first_block(self, *args, **kwargs):
     commit(self, *args, **kwargs)
     os.kill(os.getpid(), signum)
 
 if os.environ["WHEN"] == "before the blocks":
-    out_of_core.capture_inputs = signalled_before_the_blocks
+    out_of_core.OutOfCore.capture = signalled_before_the_blocks
 else:
     RunState.commit = signalled_after_the_first_block
 sys.exit(main(sys.argv[1:]))
