@@ -25,12 +25,19 @@ from .blocks import BlockCall, BlockList, output_hidden, with_hidden
 __all__ = ["HeadRunner", "output_template", "streamed_block_gains"]
 
 
-def output_template(block: nn.Module, call: BlockCall):
+def output_template(block: nn.Module, call: BlockCall, run: Optional[Callable[[], object]] = None):
     """What ``block`` returns on ``call``, computed on the meta device (no values, no memory):
-    a Tensor, or a tuple whose first item is the hidden states (other tensors become None)."""
+    a Tensor, or a tuple whose first item is the hidden states (other tensors become None).
+    A block with a kernel the meta device cannot run (transformers' ``grouped_mm`` experts in
+    float32) is run for real by ``run()`` instead, when given."""
     on_meta = tree_map(lambda value: value.to("meta") if isinstance(value, Tensor) else value, call)
-    with torch.no_grad():
-        output = copy.deepcopy(block).to("meta")(*on_meta[0], **on_meta[1])
+    try:
+        with torch.no_grad():
+            output = copy.deepcopy(block).to("meta")(*on_meta[0], **on_meta[1])
+    except (RuntimeError, NotImplementedError):
+        if run is None:
+            raise
+        output = run()
     if isinstance(output, Tensor):
         return output
     return tuple(None if isinstance(item, Tensor) else item for item in output)

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..calibration.batches import CalibrationData, ModelRun
+from ..calibration.batches import CalibrationData, ModelRun, evaluation_run
 from ..calibration.grams import collect_grams
 from ..config import ConvertConfig
 from ..fitting.layer import FitResult
@@ -134,16 +134,25 @@ class OutOfCore(ByBlocks):
 
     def capture(self, job: Conversion) -> Optional[str]:
         """:meth:`ByBlocks.capture` (each block read once per batch), its calls saved in the
-        run's scratch space; a resumed run takes them from there instead."""
+        run's scratch space (a resumed run takes them from there instead), and what a block
+        returns (the head replay's template, :func:`output_template`)."""
         self.job = job
         saved = self.state.load_scratch(_CAPTURED)
         if saved is not None:
             self.captured = BlockCalls(saved["calls"], saved["masks"])
-            return None
-        problem = super().capture(job)
-        if problem is None:
+        else:
+            problem = super().capture(job)
+            if problem is not None:
+                return problem
             self.state.save_scratch(_CAPTURED, dict(calls=self.captured.calls, masks=self.captured.masks))
-        return problem
+        self._template = output_template(self.block_list.blocks[0], self.captured.calls[0][0], self._first_output)
+        return None
+
+    def _first_output(self):
+        """Block 0's output on the first batch, the block read for it (still dense: before any fit)."""
+        block, call = self.block_list.blocks[0], self.captured.calls[0][0]
+        with self.parts.loaded(0, self.device), evaluation_run(block):
+            return BlockRunner(self.job.model, block, self.device)(*call)
 
     def _save_first_outputs(self) -> None:
         """Each block's output on the first batch, in the run's scratch space (one forward pass)."""
@@ -166,8 +175,6 @@ class OutOfCore(ByBlocks):
                                     loaded, self.device)
 
     def _head(self) -> HeadRunner:
-        if self._template is None:
-            self._template = output_template(self.block_list.blocks[0], self.captured.calls[0][0])
         return HeadRunner(self.job.model, self.block_list, self._template)
 
     def _head_batches(self, hidden: List[Tensor]) -> list:

@@ -6,7 +6,7 @@ part its output keeps."""
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -42,10 +42,24 @@ class SkeletonParts:
         inside = name.startswith(self.block_list.path + ".")
         return int(name[len(self.block_list.path) + 1:].split(".", 1)[0]) if inside else None
 
+    def _root(self, part: Part) -> Tuple[nn.Module, str]:
+        """``part``'s module and the dotted-name prefix of its tensors."""
+        return (self.model, "") if part is None else (self.block_list.blocks[part], self.block_list.prefix(part))
+
+    def sketched(self, part: Part) -> Set[str]:
+        """The names of ``part``'s tensors that belong to a sketched layer (its submodules' too:
+        the stacked factors of a sketched experts module)."""
+        root, prefix = self._root(part)
+        found: Set[str] = set()
+        for module_name, module in root.named_modules():
+            if isinstance(module, sketched_types()):
+                tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+                found.update(f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}" for name, _ in tensors)
+        return found
+
     def slots(self, part: Part) -> Iterator[Slot]:
         """Every parameter and buffer of ``part``, tied ones under each of their names."""
-        root = self.model if part is None else self.block_list.blocks[part]
-        prefix = "" if part is None else self.block_list.prefix(part)
+        root, prefix = self._root(part)
         for module_name, module in root.named_modules(remove_duplicate=False):
             path = f"{prefix}{module_name}." if module_name else prefix
             if part is None and path.startswith(self.block_list.path + "."):
@@ -95,12 +109,12 @@ class SkeletonParts:
     def release(self, part: Part) -> None:
         """Put ``part``'s tensors back on the meta device (its sketched layers' too), freeing
         them; buffers computed by the model's ``__init__`` and not saved stay, on the CPU."""
-        sketched = sketched_types()
+        sketched = self.sketched(part)
         for name, module, attr, is_parameter, saved in self.slots(part):
             tensor = getattr(module, attr)
             if is_parameter:
                 module._parameters[attr] = nn.Parameter(tensor.to("meta"), requires_grad=tensor.requires_grad)
-            elif saved and (name in self.files.tensors or isinstance(module, sketched)):
+            elif saved and (name in self.files.tensors or name in sketched):
                 module._buffers[attr] = tensor.to("meta")
             else:
                 module._buffers[attr] = tensor.cpu()
@@ -119,9 +133,9 @@ class SkeletonParts:
     def state(self, part: Part) -> Dict[str, Tensor]:
         """The tensors of ``part`` the output keeps, on the CPU: those the checkpoint holds (a
         tied duplicate it leaves out stays out) and every tensor of a sketched layer."""
-        sketched = sketched_types()
+        sketched = self.sketched(part)
         return {
             name: getattr(module, attr).detach().cpu().contiguous()
             for name, module, attr, _, saved in self.slots(part)
-            if saved and (name in self.files.tensors or isinstance(module, sketched))
+            if saved and (name in self.files.tensors or name in sketched)
         }
