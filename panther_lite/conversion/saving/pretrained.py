@@ -1,10 +1,9 @@
 """Saving and loading converted models: the model's own files plus its conversion config.
 
-``save_pretrained(model, directory)`` writes what the model's own library writes
-(Hugging Face ``save_pretrained`` with safetensors, sentence-transformers' ``save``, or a
-safetensors ``state_dict`` for any other module) and ``panther_lite_config.json`` with the
-conversion config. For Hugging Face models the conversion is also recorded in each
-``config.json`` under ``"panther_lite"``, so the directory says what it holds.
+``save_pretrained(model, directory)`` writes what the model's own library writes (Hugging Face
+``save_pretrained`` with safetensors, sentence-transformers' ``save``, or a safetensors
+``state_dict`` for any other module) and ``panther_lite_config.json`` with the conversion
+config; for Hugging Face models also in each ``config.json`` under ``"panther_lite"``.
 
 ``from_pretrained(model_class_or_factory, directory, **kwargs)`` builds the dense
 architecture, swaps in sketched layers of the recorded sizes and loads the weights:
@@ -17,9 +16,8 @@ architecture, swaps in sketched layers of the recorded sizes and loads the weigh
 - any other factory: it runs with parameters on the meta device (no initialisation cost),
   then the state_dict is assigned.
 
-A plain ``AutoModel.from_pretrained`` of such a directory loads the dense architecture: the
-sketched layers' tensors are unexpected keys and their dense weights are missing, which
-transformers reports as a loading warning; load it with :func:`from_pretrained` instead.
+A plain ``AutoModel.from_pretrained`` of such a directory loads the dense architecture (the
+sketched layers' tensors unexpected, their dense weights missing): use :func:`from_pretrained`.
 """
 from __future__ import annotations
 
@@ -164,8 +162,8 @@ def write_pretrained_record(directory: Path, saved_with: str, conversion: Mappin
 
 
 def save_transformers_config(model: nn.Module, directory: Path, conversion: Mapping) -> None:
-    """What :func:`save_pretrained` writes for a transformers model but its weights (written
-    apart): ``config.json`` recording ``conversion``, and ``panther_lite_config.json``."""
+    """:func:`save_pretrained`'s files but the weights (written apart): ``config.json`` recording
+    ``conversion``, and ``panther_lite_config.json``."""
     with _recorded_in_configs(model, conversion):
         model.config.save_pretrained(str(directory))
     write_pretrained_record(directory, _TRANSFORMERS, conversion)
