@@ -115,6 +115,7 @@ from panther_lite.conversion.pipelines import out_of_core
 from panther_lite.conversion.saving.resume_state import RunState
 
 signum = getattr(signal, os.environ["SIGNAL"])
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job inherits it ignored)
 capture, commit = out_of_core.OutOfCore.capture, RunState.commit
 
 def signalled_before_the_blocks(self, *args, **kwargs):
