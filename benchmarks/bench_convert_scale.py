@@ -10,6 +10,14 @@ the new sketched layers themselves take (the dense originals stay until the swap
 ``depth``      width 512 (FFN 1376, 8 heads), 2/4/8/16 layers: global + sequential and uniform
 ``width``      width 2048 (FFN 5632, 32 heads / 4 kv heads), bf16, 2/8 layers: uniform and global + sequential
 ``tinyllama``  the TinyLlama-1.1B shape (2048 × 22 layers, vocab 32000), bf16: global + sequential
+``streamed``   the ``compress`` command on TinyLlama-shaped random-init bf16 checkpoints of 6/12/22
+               layers written to disk shard by shard: out of core (its default) and ``--in-memory``
+               (the whole model loaded), uniform ``--param-ratio 0.5``, the other options at their
+               defaults, calibrated on ``benchmarks/data/natural_sentences.txt`` (128 lines,
+               about 1,500 tokens); peak resident memory of the whole command process (the
+               kernel's high-water mark) against the checkpoint's size, and wall time
+``llama7b``    the same, once, streamed, for a LLaMA-2-7B-shaped checkpoint (4096 × 32 layers, FFN
+               11008, 13.5 GB): writes a trace of its peak every 10 s beside the checkpoint
 
 Each case runs with ``MALLOC_MMAP_THRESHOLD_=131072`` (what the docs recommend for large
 models on glibc: freed fit buffers go back to the OS instead of staying in malloc's heap; the
@@ -20,12 +28,14 @@ measures without it. ``--note`` describes the machine's load in the CSV.
     python benchmarks/bench_convert_scale.py --part tinyllama --output-dir benchmarks/results/cpu
     python benchmarks/bench_convert_scale.py --part depth --quick   # tiny sizes, seconds
     python benchmarks/bench_convert_scale.py --part tinyllama --calibration-device cuda  # + peak GPU memory
+    python benchmarks/bench_convert_scale.py --part streamed --work-dir /tmp/scale  # checkpoints written there
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -36,9 +46,13 @@ import torch
 
 import panther_lite
 from panther_lite.benchmark import device_name, new_figure, save_figure
-from panther_lite.benchmark.memory import ResidentPeak
+from panther_lite.benchmark.checkpoints import write_random_checkpoint
+from panther_lite.benchmark.memory import ResidentPeak, command_peak
 
-PARTS = ("depth", "width", "tinyllama")
+PARTS = ("depth", "width", "tinyllama", "streamed", "llama7b")
+COMMAND_PARTS = ("streamed", "llama7b")
+TEXT = Path(__file__).resolve().parent / "data" / "natural_sentences.txt"
+COMMAND_OPTIONS = ["--param-ratio", "0.5", "--quiet"]  # the rest at their defaults
 RECOMMENDED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 MODES = {"uniform": dict(), "global+sequential": dict(allocation="global", sequential=True)}
 
@@ -98,6 +112,80 @@ def run_case(case: list, tokens: int, calibration_device: str = "cpu") -> dict:
     )
 
 
+def command_cases(part: str, quick: bool) -> list:
+    """``(layers, hidden, ffn, heads, kv_heads, modes)`` of each checkpoint the command compresses."""
+    if quick:
+        return [(2, 64, 128, 4, 2, ("streamed", "in memory"))]
+    if part == "streamed":
+        return [(layers, 2048, 5632, 32, 4, ("streamed", "in memory")) for layers in (6, 12, 22)]
+    return [(32, 4096, 11008, 32, 32, ("streamed",))]
+
+
+def run_command_case(case: tuple, work: Path, environment: dict, trace: Path, device: str = "cpu") -> list:
+    """Write the case's checkpoint, compress it in each mode (a fresh process each), remove it."""
+    import transformers
+
+    layers, hidden, ffn, heads, kv_heads, modes = case
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048, dtype="bfloat16",
+    )
+    checkpoint, output = work / f"llama-{layers}x{hidden}", work / "out"
+    weights = write_random_checkpoint(checkpoint, config, TEXT.read_text())
+    rows = []
+    for mode in modes:
+        shutil.rmtree(output, ignore_errors=True)
+        argv = [sys.executable, "-m", "panther_lite", "compress", str(checkpoint), "--calibration", str(TEXT),
+                "--output", str(output), *COMMAND_OPTIONS, "--calibration-device", device,
+                *(["--in-memory"] if mode == "in memory" else [])]
+        with open(trace, "a") as log:
+            log.write(f"# {layers} layers, {mode}: seconds,peak_bytes\n")
+            measured = command_peak(argv, environment, log)
+        rows.append(dict(layers=layers, hidden=hidden, ffn=ffn, dtype="bfloat16", mode=mode,
+                         checkpoint_gb=weights / 1e9, seconds=measured["seconds"], peak_gb=measured["peak_bytes"] / 1e9,
+                         peak_over_checkpoint=measured["peak_bytes"] / weights, returncode=measured["returncode"],
+                         options=" ".join(COMMAND_OPTIONS), calibration_device=device))
+        print(rows[-1], flush=True)
+    shutil.rmtree(checkpoint)
+    shutil.rmtree(output, ignore_errors=True)
+    return rows
+
+
+def _finish(fig, df: pd.DataFrame, what: str, path: Path) -> None:
+    """Legends, the title naming ``what`` ran, the machine and its load, and the PNG."""
+    for ax in fig.axes:
+        ax.legend(fontsize=8)
+    note = f", {df['note'].iloc[0]}" if df["note"].iloc[0] else ""
+    fig.suptitle(f"{what} at scale — {df['machine'].iloc[0]}{note}", fontsize=9)
+    save_figure(fig, path)
+
+
+def _plot_command(df: pd.DataFrame, part: str, path: Path) -> None:
+    fig = new_figure(figsize=(11, 4))
+    seconds_ax, memory_ax = fig.subplots(1, 2)
+    for mode, rows in df.groupby("mode"):
+        seconds_ax.plot(rows["layers"], rows["seconds"] / 60, "o-", label=mode)
+        memory_ax.plot(rows["layers"], rows["peak_gb"], "o-", label=f"{mode}: peak resident memory")
+    memory_ax.plot(df["layers"], df["checkpoint_gb"], "k--", label="checkpoint size")
+    seconds_ax.set(xlabel="layers", ylabel="minutes", title=f"{part}: compress time")
+    memory_ax.set(xlabel="layers", ylabel="GB", title=f"{part}: the command's peak resident memory")
+    _finish(fig, df, "python -m panther_lite compress", path)
+
+
+def _run_command_part(part: str, args, environment: dict) -> None:
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    environment = {**environment, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    rows = []
+    for case in command_cases(part, args.quick):
+        trace = args.work_dir / f"trace_{part}.csv"
+        rows += run_command_case(case, args.work_dir, environment, trace, args.calibration_device)
+        df = pd.DataFrame(rows)
+        df["machine"], df["note"] = device_name("cpu"), args.note
+        df["malloc_mmap_threshold"] = environment.get("MALLOC_MMAP_THRESHOLD_", "glibc default")
+        df.to_csv(args.output_dir / f"convert_scale_{part}.csv", index=False)
+    _plot_command(df, part, args.output_dir / f"convert_scale_{part}.png")
+
+
 def _plot(df: pd.DataFrame, part: str, path: Path) -> None:
     fig = new_figure(figsize=(11, 4))
     seconds_ax, memory_ax = fig.subplots(1, 2)
@@ -110,11 +198,7 @@ def _plot(df: pd.DataFrame, part: str, path: Path) -> None:
     memory_ax.plot(df["layers"], df["model_gb"], "k--", label="model size")
     seconds_ax.set(xlabel="layers", ylabel="convert time (s)", title=f"{part}: time")
     memory_ax.set(xlabel="layers", ylabel="GB", title=f"{part}: memory added during convert")
-    for ax in (seconds_ax, memory_ax):
-        ax.legend(fontsize=8)
-    note = f", {df['note'].iloc[0]}" if df["note"].iloc[0] else ""
-    fig.suptitle(f"panther_lite.convert at scale — {df['machine'].iloc[0]}{note}", fontsize=9)
-    save_figure(fig, path)
+    _finish(fig, df, "panther_lite.convert", path)
 
 
 def main(argv=None) -> None:
@@ -126,6 +210,8 @@ def main(argv=None) -> None:
     parser.add_argument("--calibration-device", default="cpu",
                         help="where the statistics and the block at work live, e.g. cuda (the model stays on the CPU)")
     parser.add_argument("--note", default="", help="how loaded the machine was (written to the CSV)")
+    parser.add_argument("--work-dir", type=Path, default=Path("benchmarks/out/checkpoints"),
+                        help="where the command parts write their checkpoints (13.5 GB for llama7b) and outputs")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case (JSON) in this process
     args = parser.parse_args(argv)
     tokens = 16 if args.quick else 256
@@ -135,6 +221,9 @@ def main(argv=None) -> None:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     environment = dict(os.environ) if args.default_malloc else {**os.environ, **RECOMMENDED_MALLOC}
     for part in args.part:
+        if part in COMMAND_PARTS:
+            _run_command_part(part, args, environment)
+            continue
         rows = []
         for case in cases(part, args.quick):
             command = [sys.executable, __file__, "--case", json.dumps(case), "--calibration-device", args.calibration_device]

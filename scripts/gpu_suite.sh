@@ -3,7 +3,7 @@
 # to benchmarks/results/cuda/. Needs a CUDA build of torch importable by $PYTHON (default:
 # .venv/bin/python if there is one — set up with TORCH_SPEC=torch bash scripts/setup.sh —
 # else python3); the package runs from this checkout (PYTHONPATH), no install needed.
-# Pass a stage to run only part: tests | bars | sweep4096 | sweep8192 | conv | onnx | compress | all (default).
+# Pass a stage to run only part: tests | bars | sweep4096 | sweep8192 | conv | onnx | compress | streamed | all (default).
 # PYTEST_ARGS adds options to the test stage, e.g. PYTEST_ARGS="-n 8" where pytest-xdist is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,4 +37,8 @@ fi
 if run compress; then  # the TinyLlama shape block by block, statistics and the block at work on the GPU
   "$PYTHON" benchmarks/bench_convert_scale.py --part tinyllama --calibration-device cuda --output-dir "$RESULTS" \
     --note "model on the CPU, calibration on the GPU"
+fi
+if run streamed; then  # the compress command out of core (each block visits the GPU), 6/12/22 TinyLlama-shaped layers
+  "$PYTHON" benchmarks/bench_convert_scale.py --part streamed --calibration-device cuda --output-dir "$RESULTS" \
+    --work-dir "${WORK_DIR:-/tmp/panther_lite_streamed}" --note "checkpoints on local disk, calibration on the GPU"
 fi

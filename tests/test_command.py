@@ -1,6 +1,8 @@
 """``python -m panther_lite compress``: end to end on tiny transformers checkpoints saved to
-disk (GPT-2, LLaMA, BERT), the reloaded model against one converted in-process, and every
-kind of bad input ending in one message, a non-zero exit and nothing written."""
+disk (GPT-2, LLaMA, BERT), streamed block by block, the reloaded model against one converted
+in-process, and every kind of bad input ending in one message, a non-zero exit and nothing
+written (the resumable runs are tests/conversion/test_compress_checkpoint.py's and
+tests/test_command_safety.py's)."""
 from __future__ import annotations
 
 import os
@@ -22,7 +24,10 @@ import panther_lite  # noqa: E402
 from panther_lite.cli import compress as compress_module  # noqa: E402
 from panther_lite.cli import distilling as distilling_module  # noqa: E402
 from panther_lite.cli import main  # noqa: E402
-from panther_lite.cli.checkpoint import auto_class_for, calibration_batches, read_samples  # noqa: E402
+from panther_lite.conversion.pipelines import out_of_core  # noqa: E402
+from panther_lite.conversion.saving import compress as compress_library  # noqa: E402
+from panther_lite.cli.checkpoint import calibration_batches, read_samples  # noqa: E402
+from panther_lite.conversion.saving.checkpoint_files import auto_class_for  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,8 +69,8 @@ def test_compress_writes_a_model_that_from_pretrained_reloads_as_convert_made_it
     assert main(_argv(checkpoints[name], text_file, output, *RATIO_ARGS)) == 0
     expected, batches, report = _converted_in_process(checkpoints[name], text_file, param_ratio=0.5, fit="exact")
     assert capsys.readouterr().out.strip() == report.attrs["summary"]
-    assert {"config.json", "model.safetensors", "panther_lite_config.json", "tokenizer.json", "report.csv",
-            "report.png"} <= {path.name for path in output.iterdir()}
+    assert {"config.json", "model.safetensors.index.json", "panther_lite_config.json", "tokenizer.json", "report.csv",
+            "report.png", "model-00003-of-00003.safetensors"} <= {path.name for path in output.iterdir()}  # streamed
     assert _leftovers(tmp_path, output) == []
 
     reloaded = panther_lite.from_pretrained(getattr(transformers, AUTO_CLASSES[name]), output).eval()
@@ -115,7 +120,7 @@ def test_distill_trains_the_converted_model_against_the_original_as_distill_does
     checkpoints, text_file, tmp_path, capsys, monkeypatch
 ):
     copies = []
-    monkeypatch.setattr(distilling_module, "copy", type("Copy", (), {"deepcopy": staticmethod(
+    monkeypatch.setattr(compress_library, "copy", type("Copy", (), {"deepcopy": staticmethod(
         lambda model: copies.append(type(model).__name__) or __import__("copy").deepcopy(model))}))
     output = tmp_path / "out"
     loud = RATIO_ARGS[:-1]  # the step messages
@@ -152,15 +157,26 @@ def test_distill_draws_its_own_random_tokens_beside_the_text_batches(checkpoints
     assert (seen["max_steps"], seen["lr"]) == (2, 0.01)
 
 
+def _spy(monkeypatch, calls: list, stop: bool = False):
+    """Record the arguments compress_checkpoint receives (and stop there, with ``stop``)."""
+    real = compress_module.compress_checkpoint
+
+    def spy(model_dir, output_dir, **options):
+        calls.append(options)
+        if stop:
+            raise ValueError("stop after the options")
+        return real(model_dir, output_dir, **options)
+
+    monkeypatch.setattr(compress_module, "compress_checkpoint", spy)
+
+
 def test_random_tokens_join_the_calibration_batches(checkpoints, text_file, tmp_path, capsys, monkeypatch):
     seen = []
-    real_convert = compress_module.convert
-    monkeypatch.setattr(compress_module, "convert", lambda model, calibration_data, **kw: seen.append(calibration_data)
-                        or real_convert(model, calibration_data=calibration_data, **kw))
+    _spy(monkeypatch, seen)
     argv = _argv(checkpoints["bert"], text_file, tmp_path / "out", "--param-ratio", "0.5", "--random-tokens", "12")
     assert main(argv) == 0
     assert "samples and 12 random-token sequences" in capsys.readouterr().err
-    rows = [batch["input_ids"].shape for batch in seen[0]]
+    rows = [batch["input_ids"].shape for batch in seen[0]["calibration_data"]]
     assert sum(shape[0] for shape in rows) == len(read_samples(text_file, 128)) + 12
     assert rows[-2:] == [(8, 16), (4, 16)]  # 16 random tokens each, in --batch-size batches
 
@@ -219,7 +235,7 @@ def _bad_inputs(checkpoints, text_file, tmp_path, save_checkpoint, vocab):
         "missing model dir": (_argv(tmp_path / "absent", text_file, out, *RATIO_ARGS), 1, "does not exist"),
         "not a model dir": (_argv(not_a_model, text_file, out, *RATIO_ARGS), 1, "no config.json"),
         "no tokenizer": (_argv(no_tokenizer, text_file, out, *RATIO_ARGS), 1, "no usable tokenizer"),
-        "no weights": (_argv(no_weights, text_file, out, *RATIO_ARGS), 1, "could not be loaded"),
+        "no weights": (_argv(no_weights, text_file, out, *RATIO_ARGS), 1, "has no weights"),
         "missing calibration": (_argv(gpt2, tmp_path / "absent.txt", out, *RATIO_ARGS), 1, "does not exist"),
         "empty calibration": (_argv(gpt2, empty_text, out, *RATIO_ARGS), 1, "has no text"),
         "unknown allocation": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--allocation", "best"), 2, "invalid choice"),
@@ -293,32 +309,57 @@ def test_non_empty_output_is_refused_without_overwrite(checkpoints, text_file, t
 
 
 @pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError])
-def test_failure_or_ctrl_c_while_saving_leaves_output_as_it_was(failure, checkpoints, text_file, tmp_path, capsys,
-                                                                 monkeypatch):
+def test_failure_or_ctrl_c_before_any_block_is_written_leaves_nothing(failure, checkpoints, text_file, tmp_path,
+                                                                       capsys, monkeypatch):
     output = tmp_path / "new" / "out"
 
     def fail(*args, **kwargs):
-        raise failure("stopped while saving")
+        raise failure("stopped before the first block")
 
-    monkeypatch.setattr(compress_module, "save_pretrained", fail)
+    monkeypatch.setattr(out_of_core.OutOfCore, "capture", fail)
     status = main(_argv(checkpoints["gpt2"], text_file, output, *RATIO_ARGS))
     assert status == (130 if failure is KeyboardInterrupt else 1)
     assert "Traceback" not in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # neither OUT_DIR, nor its staging, nor the parent made for it
 
 
-def test_blocks_reaches_convert_in_the_config(text_file, tmp_path, checkpoints, monkeypatch):
-    received = {}
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError])
+def test_failure_or_ctrl_c_while_saving_keeps_the_blocks_for_resume(failure, checkpoints, text_file, tmp_path, capsys,
+                                                                     monkeypatch):
+    output = tmp_path / "new" / "out"
+    argv = _argv(checkpoints["gpt2"], text_file, output, *RATIO_ARGS)
 
-    def spy(model, config=None, **options):
-        received["blocks"] = config.blocks
-        raise ValueError("stop after the options")
+    def fail(*args, **kwargs):
+        raise failure("stopped while saving")
 
+    with monkeypatch.context() as patch:
+        patch.setattr(compress_library, "save_transformers_config", fail)
+        assert main(argv) == (130 if failure is KeyboardInterrupt else 1)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "run the same command with --resume" in err
+    assert not output.exists() and [path.name for path in output.parent.iterdir()] == [".out.partial"]
+    assert main(argv) == 1 and "holds an unfinished run" in capsys.readouterr().err
+    assert main(argv + ["--resume"]) == 0
+    assert (output / "panther_lite_config.json").is_file() and list(output.parent.iterdir()) == [output]
+
+
+def test_blocks_reaches_compress_in_the_config(text_file, tmp_path, checkpoints, monkeypatch):
+    received = []
+    _spy(monkeypatch, received, stop=True)
     argv = _argv(checkpoints["gpt2"], text_file, tmp_path / "out", *RATIO_ARGS, "--blocks", "transformer.h")
-    monkeypatch.setattr(compress_module, "convert", spy)
-    assert main(argv) == 1 and received == {"blocks": "transformer.h"}
-    assert main(argv[:-1] + ["off"]) == 1 and received == {"blocks": False}
+    assert main(argv) == 1 and received[-1]["config"].blocks == "transformer.h"
+    assert main(argv[:-1] + ["off"]) == 1 and received[-1]["config"].blocks is False
     assert list(tmp_path.iterdir()) == []
+
+
+def test_without_blocks_the_model_is_loaded_whole_and_the_command_says_why(checkpoints, text_file, tmp_path, capsys):
+    output = tmp_path / "out"
+    assert main(_argv(checkpoints["llama"], text_file, output, *RATIO_ARGS[:-1], "--blocks", "off")) == 0
+    err = capsys.readouterr().err
+    assert "warning: compress_checkpoint: loading" in err and "whole: blocks=False" in err
+    assert (output / "model.safetensors").is_file() and not (output / "model.safetensors.index.json").exists()
+    assert main(_argv(checkpoints["llama"], text_file, output, *RATIO_ARGS[:-1], "--in-memory", "--overwrite")) == 0
+    assert "block pipeline: 2 blocks at model.layers (the model loaded whole: in_memory=True)" in capsys.readouterr().err
 
 
 def test_calibration_batches_skip_blanks_truncate_pad_and_leave_the_tokenizer_alone(text_file, checkpoints):
@@ -344,10 +385,7 @@ def test_auto_class_follows_the_saved_architecture():
 
 
 def test_fewer_calibration_tokens_than_a_layer_has_inputs_warns(checkpoints, text_file, tmp_path, monkeypatch, capsys):
-    def stop(model, **options):
-        raise ValueError("stop before converting")
-
-    monkeypatch.setattr(compress_module, "convert", stop)
+    _spy(monkeypatch, [], stop=True)
     few = ["--max-samples", "2", "--seq-len", "4"]
     main(_argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS, *few))
     assert "fewer than the 64 inputs of model.layers.0.mlp.down_proj" in capsys.readouterr().err

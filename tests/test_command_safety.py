@@ -1,6 +1,7 @@
 """``python -m panther_lite compress`` never loses its inputs: an OUT_DIR that is, holds or lies
 inside MODEL_DIR (or holds the calibration file) is refused before anything is written,
-however the paths are spelled; SIGTERM cleans up as Ctrl-C does; OUT_DIR follows the umask."""
+however the paths are spelled; SIGTERM cleans up as Ctrl-C does (nothing left before the first
+block is written, the finished blocks kept for ``--resume`` after); OUT_DIR follows the umask."""
 from __future__ import annotations
 
 import hashlib
@@ -103,25 +104,46 @@ def test_an_out_dir_beside_the_model_still_replaces_with_overwrite(layout, capsy
     argv = ["compress", str(layout / "link"), "--calibration", str(layout / "text.txt"), "--output", str(output),
             "--overwrite", *QUICK]  # fmt: skip
     assert main(argv) == 0, capsys.readouterr().err
-    assert (output / "model.safetensors").is_file() and not (output / "stale.txt").exists()
+    assert (output / "model.safetensors.index.json").is_file() and not (output / "stale.txt").exists()
     assert sorted(path.name for path in (layout / "models").iterdir()) == ["gpt2", "small"]
 
 
 _DRIVER = """
 import os, signal, sys
-from panther_lite.cli import compress, main
+from panther_lite.cli import main
+from panther_lite.conversion.pipelines import out_of_core
+from panther_lite.conversion.saving.resume_state import RunState
 
-def terminated_while_saving(*args, **kwargs):
-    os.kill(os.getpid(), signal.SIGTERM)
-    raise AssertionError("SIGTERM did not stop the command")
+signum = getattr(signal, os.environ["SIGNAL"])
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job inherits it ignored)
+capture, commit = out_of_core.OutOfCore.capture, RunState.commit
 
-compress.save_pretrained = terminated_while_saving
+def signalled_before_the_blocks(self, *args, **kwargs):
+    os.kill(os.getpid(), signum)
+    return capture(self, *args, **kwargs)
+
+def signalled_after_the_first_block(self, *args, **kwargs):
+    commit(self, *args, **kwargs)
+    os.kill(os.getpid(), signum)
+
+if os.environ["WHEN"] == "before the blocks":
+    out_of_core.OutOfCore.capture = signalled_before_the_blocks
+else:
+    RunState.commit = signalled_after_the_first_block
 sys.exit(main(sys.argv[1:]))
 """
+STATUS = {"SIGTERM": 143, "SIGINT": 130}
+
+
+def _run_signalled(argv, signal_name: str, when: str):
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SIGNAL": signal_name, "WHEN": when}
+    return subprocess.run([sys.executable, "-c", _DRIVER, *argv], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env=environment)
 
 
 @pytest.mark.parametrize("existing", [False, True], ids=["new", "replacing"])
-def test_sigterm_cleans_up_as_ctrl_c_does(existing, layout):
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_sigterm_cleans_up_as_ctrl_c_does(signal_name, existing, layout):
     output = layout / "fresh" / "out"
     if existing:
         output.mkdir(parents=True)
@@ -129,11 +151,21 @@ def test_sigterm_cleans_up_as_ctrl_c_does(existing, layout):
     before = _tree(layout)
     argv = ["compress", str(layout / "models" / "gpt2"), "--calibration", str(layout / "text.txt"),
             "--output", str(output), "--overwrite", *QUICK]  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", _DRIVER, *argv], capture_output=True, text=True, cwd=ROOT,
-                            timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 143, result.stderr
-    assert "terminated (SIGTERM); nothing was written" in result.stderr and "Traceback" not in result.stderr
-    assert _tree(layout) == before  # no hidden .out.partial-* directory, no parent made for it
+    result = _run_signalled(argv, signal_name, "before the blocks")
+    assert result.returncode == STATUS[signal_name], result.stderr
+    assert "nothing was written" in result.stderr and "Traceback" not in result.stderr
+    assert _tree(layout) == before  # no hidden .out.partial directory, no parent made for it
+
+    result = _run_signalled(argv, signal_name, "after the first block")
+    assert result.returncode == STATUS[signal_name] and "Traceback" not in result.stderr, result.stderr
+    assert "run the same command with --resume" in result.stderr
+    kept = {name: value for name, value in _tree(layout).items() if name not in before}
+    assert all(name in ("fresh", "fresh/.out.partial") or name.startswith("fresh/.out.partial/") for name in kept)
+    assert any(name.endswith(".safetensors") for name in kept)  # the first block, for --resume
+    assert {name: before[name] for name in _tree(layout) if name in before} == before  # the inputs, OUT_DIR untouched
+    assert main(argv + ["--resume"]) == 0
+    assert (output / "model.safetensors.index.json").is_file() and not (output / "keep.txt").exists()
+    assert sorted(path.name for path in output.parent.iterdir()) == ["out"]
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027], ids=oct)

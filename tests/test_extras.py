@@ -104,7 +104,7 @@ def test_the_command_without_matplotlib_writes_the_model_and_says_why_there_is_n
             "--param-ratio", "0.5", "--quiet"]  # fmt: skip
     assert main(argv) == 0
     assert "warning: report.png not written: " in capsys.readouterr().err
-    assert (output / "model.safetensors").is_file() and not (output / "report.png").exists()
+    assert (output / "model.safetensors.index.json").is_file() and not (output / "report.png").exists()
 
 
 def test_quiet_optional_imports_hides_load_notes_only_within_the_block(caplog):

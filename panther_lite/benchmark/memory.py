@@ -1,14 +1,16 @@
 """Memory: parameter counts and bytes, the activations autograd saves for backward, the
-footprint of a training forward (the allocator's peak on CUDA), and a process's peak resident
-memory sampled in a thread."""
+footprint of a training forward (the allocator's peak on CUDA), a process's peak resident
+memory sampled in a thread, and a command's peak resident memory as the kernel counts it."""
 from __future__ import annotations
 
 import itertools
+import os
 import resource
+import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -122,3 +124,34 @@ class ResidentPeak:
     def __exit__(self, *exc) -> None:
         self._running = False
         self._thread.join()
+
+
+def _high_water_mark(pid: int) -> Optional[int]:
+    """``VmHWM`` of a live process (its peak resident memory so far, bytes); None once it is gone."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None
+    found = next((line.split()[1] for line in lines if line.startswith("VmHWM:")), None)
+    return None if found is None else int(found) * 1024
+
+
+def command_peak(argv: Sequence[str], env: Optional[dict] = None, log=None, every: float = 10.0) -> Dict[str, float]:
+    """Run ``argv`` to its end and measure it: ``{"seconds", "peak_bytes", "returncode"}``, the
+    peak being its resident memory's high-water mark as the kernel keeps it (``ru_maxrss``
+    from ``wait4``; Linux). With ``log`` (a text file), a line ``seconds,peak_bytes`` is written
+    every ``every`` seconds while it runs, so a run that cannot finish leaves its figures."""
+    started = time.perf_counter()
+    process = subprocess.Popen(list(argv), env=env)
+    next_log = started
+    while True:
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        now = time.perf_counter()
+        if pid:
+            process.returncode = os.waitstatus_to_exitcode(status)
+            return dict(seconds=now - started, peak_bytes=usage.ru_maxrss * 1024, returncode=process.returncode)
+        if log is not None and now >= next_log:
+            log.write(f"{now - started:.0f},{_high_water_mark(process.pid)}\n")
+            log.flush()
+            next_log = now + every
+        time.sleep(0.2)

@@ -49,10 +49,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         with sigterm_raises():
             return args.run(args)
     except KeyboardInterrupt:
-        print(f"{parser.prog} {args.command}: interrupted; nothing was written", file=sys.stderr)
+        print(f"{parser.prog} {args.command}: interrupted; nothing was written to OUT_DIR", file=sys.stderr)
         return INTERRUPTED
     except Terminated:
-        print(f"{parser.prog} {args.command}: terminated (SIGTERM); nothing was written", file=sys.stderr)
+        print(f"{parser.prog} {args.command}: terminated (SIGTERM); nothing was written to OUT_DIR", file=sys.stderr)
         return TERMINATED
     except _INPUT_ERRORS as error:
         one_line = " ".join(str(error).split())  # library messages may span lines

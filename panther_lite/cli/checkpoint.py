@@ -1,10 +1,10 @@
-"""Reading a command's inputs: a transformers checkpoint directory (its Auto class, model and
-tokenizer) and a calibration text file turned into tokenized batches."""
+"""Reading a command's inputs: a transformers checkpoint directory (checked, and its tokenizer)
+and a calibration text file turned into tokenized batches."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List
 
 import torch
 import torch.nn as nn
@@ -12,9 +12,7 @@ import torch.nn as nn
 from ..conversion.calibration.random_tokens import model_positions
 from ..extras import require
 
-__all__ = [
-    "CommandError", "check_model_dir", "auto_class_for", "load_checkpoint", "read_samples", "calibration_batches",
-]
+__all__ = ["CommandError", "check_model_dir", "load_tokenizer", "read_samples", "calibration_batches"]
 
 
 class CommandError(Exception):
@@ -40,62 +38,16 @@ def check_model_dir(model_dir: Path) -> None:
         raise CommandError(f"{str(config)!r} names no model_type: not a transformers model config")
 
 
-def _auto_classes() -> List[type]:
-    """``AutoModel`` first, then every ``AutoModelFor...`` class of the installed transformers."""
-    transformers = require("transformers", "the compress command")
-    names = ["AutoModel"] + sorted(name for name in dir(transformers) if name.startswith("AutoModelFor"))
-    return [getattr(transformers, name) for name in names]
-
-
-def _builds(auto_class: type, config, architecture: str) -> bool:
-    try:
-        built = auto_class._model_mapping[type(config)]
-    except (KeyError, ValueError):
-        return False
-    return architecture in {cls.__name__ for cls in (built if isinstance(built, tuple) else (built,))}
-
-
-def auto_class_for(config) -> type:
-    """The transformers Auto class that builds ``config.architectures[0]`` for this config
-    (``AutoModelForCausalLM`` for a ``GPT2LMHeadModel``, say); ``AutoModel`` when the config
-    names no architecture; the architecture's own class when no Auto class builds it."""
-    transformers = require("transformers", "the compress command")
-    architectures = getattr(config, "architectures", None) or []
-    if not architectures:
-        return transformers.AutoModel
-    architecture = architectures[0]
-    found = next((auto for auto in _auto_classes() if _builds(auto, config, architecture)), None)
-    if found is not None:
-        return found
-    own = getattr(transformers, architecture, None)
-    if own is None:
-        raise CommandError(f"config.json names architecture {architecture!r}, which this transformers cannot build")
-    return own
-
-
-def load_checkpoint(model_dir: Path, dtype: Optional[torch.dtype]) -> Tuple[nn.Module, object, type]:
-    """``(model, tokenizer, auto_class)`` read from ``model_dir`` (model in eval mode, on the
-    CPU, in ``dtype`` or, for None, the checkpoint's own dtype)."""
-    transformers = require("transformers", "the compress command")
-    AutoConfig, AutoTokenizer = transformers.AutoConfig, transformers.AutoTokenizer
-
-    check_model_dir(model_dir)
-    try:
-        config = AutoConfig.from_pretrained(str(model_dir))
-    except (OSError, ValueError, KeyError) as error:
-        raise CommandError(f"MODEL_DIR {str(model_dir)!r}: its config.json could not be read: {error}") from None
-    auto_class = auto_class_for(config)
+def load_tokenizer(model_dir: Path):
+    """MODEL_DIR's tokenizer; :class:`CommandError` when it has none with a vocabulary."""
+    AutoTokenizer = require("transformers", "the compress command").AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CommandError(f"MODEL_DIR {str(model_dir)!r} has no usable tokenizer: {error}") from None
     if len(tokenizer) <= len(tokenizer.all_special_tokens):  # transformers builds empty ones without files
         raise CommandError(f"MODEL_DIR {str(model_dir)!r} has no usable tokenizer: its vocabulary is empty")
-    try:
-        model = auto_class.from_pretrained(str(model_dir), dtype="auto" if dtype is None else dtype)
-    except (OSError, ValueError) as error:
-        raise CommandError(f"MODEL_DIR {str(model_dir)!r}: the model could not be loaded: {error}") from None
-    return model.eval(), tokenizer, auto_class
+    return tokenizer
 
 
 def read_samples(path: Path, max_samples: int) -> List[str]:

@@ -1,37 +1,36 @@
 """The ``compress`` command: convert a transformers checkpoint directory with
-:func:`panther_lite.convert`, calibrated on a text file (optionally distil it against the
-original, :mod:`.distilling`), and save the result (model, tokenizer, report CSV and plot)
-into an output directory written all at once."""
+:func:`panther_lite.compress_checkpoint` (out of core: block by block, never the whole model in
+memory), calibrated on a text file, into an output directory (model, tokenizer, report CSV and
+plot) written all at once; ``--resume`` continues a run that was stopped; ``--distill`` trains
+the result against the original (:mod:`.distilling`; the model is then loaded whole)."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import math
-import os
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
-from ..conversion import ConvertConfig, convert, random_token_batches, save_pretrained
+from ..conversion import ConvertConfig, random_token_batches
 from ..conversion.config import ALLOCATIONS, device_problem
-from ..conversion.fitting.block_refinement import REFINEMENT_COLUMNS
 from ..conversion.kinds import kind_of
-from ..conversion.pipelines.blocks import without_kv_cache
+from ..conversion.saving.checkpoint_files import CheckpointFiles
+from ..conversion.saving.compress import REFINEMENT_CSV, REPORT_CSV, REPORT_PNG, compress_checkpoint
+from ..conversion.saving.staging import check_output_dir, staging_path
 from ..extras import quiet_optional_imports, require
 from ..nn.low_rank_fit import FIT_METHODS
 from .arguments import DTYPES, positive_float, positive_int
-from .checkpoint import CommandError, calibration_batches, check_model_dir, load_checkpoint, read_samples
-from .distilling import add_distill_options, check_distill_options, original_if_distilling, run_distill
-from .report_plot import plot_conversion_report
-from .staging import check_output_dir, staged_directory
+from .checkpoint import CommandError, calibration_batches, check_model_dir, load_tokenizer, read_samples
+from .distilling import add_distill_options, check_distill_options, distiller
 
 __all__ = ["add_compress_command", "run_compress", "REPORT_CSV", "REPORT_PNG", "REFINEMENT_CSV"]
 
-REPORT_CSV, REPORT_PNG, REFINEMENT_CSV = "report.csv", "report.png", "refinement.csv"
 _NO_BLOCKS = ("off", "none")
 RANDOM_TOKEN_LENGTH = 16  # tokens in each --random-tokens sequence
 
@@ -69,13 +68,27 @@ def _device(text: str) -> str:
     return text
 
 
+def _add_selection_options(command) -> None:
+    """Target/exclude options (PEFT's semantics), each a list of names or a regex."""
+    selection = command.add_argument_group("layer selection (PEFT's semantics; exclusion wins)")
+    targets = selection.add_mutually_exclusive_group()
+    targets.add_argument("--target-modules", action="append", metavar="NAME",
+                         help="a module name or dotted suffix, or all-linear; repeatable")
+    targets.add_argument("--target-regex", metavar="REGEX", help="a regex full-matched against module names")
+    excludes = selection.add_mutually_exclusive_group()
+    excludes.add_argument("--exclude-modules", action="append", metavar="NAME",
+                          help="a module name or dotted suffix; repeatable")
+    excludes.add_argument("--exclude-regex", metavar="REGEX", help="a regex full-matched against module names")
+
+
 def add_compress_command(subparsers) -> None:
     """Register ``compress`` and its options (they mirror :func:`panther_lite.convert`'s)."""
     command = subparsers.add_parser(
         "compress",
         help="compress a transformers checkpoint directory",
-        description="Convert a transformers checkpoint with panther_lite.convert, calibrated on a text file, and "
-        "save the model, its tokenizer, report.csv and report.png into OUT_DIR (written all at once).",
+        description="Convert a transformers checkpoint with panther_lite.compress_checkpoint (block by block, never "
+        "the whole model in memory), calibrated on a text file, and save the model, its tokenizer, report.csv and "
+        "report.png into OUT_DIR (written all at once; --resume continues a stopped run).",
     )
     command.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="a transformers save_pretrained directory")
     command.add_argument("--output", "-o", type=Path, required=True, metavar="OUT_DIR",
@@ -83,6 +96,12 @@ def add_compress_command(subparsers) -> None:
     command.add_argument("--calibration", type=Path, required=True, metavar="TEXT_FILE",
                          help="UTF-8 text, one calibration sample per line (blank lines skipped)")
     command.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    command.add_argument("--resume", action="store_true",
+                         help="continue the run a stopped compress left beside OUT_DIR (.OUT_DIR.partial; same "
+                              "MODEL_DIR, options and calibration) after its last block written; with none, start")
+    command.add_argument("--in-memory", action="store_true",
+                         help="load the whole model and convert it in memory (needs memory for the whole model and "
+                              "more; by default it is read from MODEL_DIR one block at a time)")
     command.add_argument("--quiet", "-q", action="store_true", help="no progress bars or step messages")
     data = command.add_argument_group("calibration batches")
     data.add_argument("--max-samples", type=positive_int, default=128, help="lines used (default 128)")
@@ -115,15 +134,7 @@ def add_compress_command(subparsers) -> None:
     refine.add_argument("--refine-steps", type=positive_int, help="most Adam steps per block (default 100)")
     refine.add_argument("--refine-lr", type=positive_float, help="Adam's learning rate (default 1e-3)")
     add_distill_options(command)
-    selection = command.add_argument_group("layer selection (PEFT's semantics; exclusion wins)")
-    targets = selection.add_mutually_exclusive_group()
-    targets.add_argument("--target-modules", action="append", metavar="NAME",
-                         help="a module name or dotted suffix, or all-linear; repeatable")
-    targets.add_argument("--target-regex", metavar="REGEX", help="a regex full-matched against module names")
-    excludes = selection.add_mutually_exclusive_group()
-    excludes.add_argument("--exclude-modules", action="append", metavar="NAME",
-                          help="a module name or dotted suffix; repeatable")
-    excludes.add_argument("--exclude-regex", metavar="REGEX", help="a regex full-matched against module names")
+    _add_selection_options(command)
     command.set_defaults(run=run_compress)
 
 
@@ -204,66 +215,74 @@ def _random_tokens(tokenizer, model: nn.Module, args: argparse.Namespace) -> Lis
         raise CommandError(f"--random-tokens {args.random_tokens}: {error}") from None
 
 
-def _plot_report(report, path: Path, title: str) -> None:
-    """``report.png``, or a warning when matplotlib (the ``[bench]`` extra) is missing: the
-    model is what the user waited for, and is written without its plot."""
-    try:
-        plot_conversion_report(report, path, title=title)
-    except ModuleNotFoundError as error:
-        if not str(error.name).startswith("matplotlib"):
-            raise
-        print(f"warning: {path.name} not written: {error}", file=sys.stderr)
-
-
-def _save_refinement(rows: List[dict], path: Path, say) -> None:
-    """The per-block refinement errors as CSV, and one line saying what refinement bought."""
-    import pandas as pd
-
-    pd.DataFrame(rows, columns=REFINEMENT_COLUMNS).to_csv(path, index=False)
+def _say_refinement(report, say) -> None:
+    """One line saying what refinement bought (the per-block errors are in ``refinement.csv``)."""
+    rows = report.attrs.get("refinement") or []
     if rows:
         before = sum(row["error_before"] for row in rows) / len(rows)
         after = sum(row["error_after"] for row in rows) / len(rows)
         say(f"refined {len(rows)} blocks: mean held-back block output error {before:.4f} -> {after:.4f}")
 
 
+@contextlib.contextmanager
+def _warnings_on_one_line() -> Iterator[None]:
+    """Warnings shown as ``warning: <message>`` on stderr for the duration."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
+def _calibration(args: argparse.Namespace, tokenizer, files: CheckpointFiles, say) -> Tuple[list, list]:
+    """``(text, batches)``: the calibration batches of the text file, and those with
+    ``--random-tokens``' added, for MODEL_DIR's ``tokenizer``, capped at the positions of the
+    model its config builds (on the meta device)."""
+    samples = read_samples(args.calibration, args.max_samples)
+    skeleton = files.skeleton(DTYPES.get(args.dtype))
+    text = calibration_batches(samples, tokenizer, skeleton, args.seq_len, args.batch_size)
+    batches = text + (_random_tokens(tokenizer, skeleton, args) if args.random_tokens else [])
+    tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
+    _warn_if_few_tokens(skeleton, tokens)
+    extra = f" and {args.random_tokens} random-token sequences" if args.random_tokens else ""
+    say(f"compressing {type(skeleton).__name__} ({files.auto_class.__name__}) from {args.model_dir}; calibrating "
+        f"on {len(samples)} samples{extra} ({tokens:,} tokens) in {len(batches)} batches")
+    return text, batches
+
+
 def run_compress(args: argparse.Namespace) -> int:
     """Run the command; returns the exit status. Bad input raises
-    :class:`~panther_lite.cli.checkpoint.CommandError` (or convert's ValueError / TypeError /
-    ConversionError) and leaves ``OUT_DIR`` as it was."""
+    :class:`~panther_lite.cli.checkpoint.CommandError` (or the library's ValueError / TypeError /
+    ConversionError) and leaves ``OUT_DIR`` as it was; a run stopped after it planned or wrote a
+    block says where its work is kept for ``--resume``."""
     started = time.perf_counter()
     say = (lambda message: None) if args.quiet else (lambda message: print(message, file=sys.stderr, flush=True))
     require("transformers", "the compress command")
     _check_paths(args)
-    samples = read_samples(args.calibration, args.max_samples)
+    read_samples(args.calibration, args.max_samples)  # a bad calibration file fails before any model is read
     config = convert_config(args)
     check_distill_options(args)
-    staging_directory = staged_directory(args.output, args.overwrite, _inputs(args))
-    with _transformers_bars(shown=not args.quiet), staging_directory as staging:
-        with quiet_optional_imports():  # transformers may import torchao while loading
-            model, tokenizer, auto_class = load_checkpoint(args.model_dir, DTYPES.get(args.dtype))
-        text = calibration_batches(samples, tokenizer, model, args.seq_len, args.batch_size)
-        batches = text + (_random_tokens(tokenizer, model, args) if args.random_tokens else [])
-        tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
-        _warn_if_few_tokens(model, tokens)
-        extra = f" and {args.random_tokens} random-token sequences" if args.random_tokens else ""
-        say(f"loaded {type(model).__name__} ({auto_class.__name__}) from {args.model_dir}; calibrating on "
-            f"{len(samples)} samples{extra} ({tokens:,} tokens) in {len(batches)} batches")
-        teacher = original_if_distilling(model, args)
-        with without_kv_cache(model):
-            report = convert(model, config=config, calibration_data=batches)
-        pipeline = f" ({report.attrs['pipeline']})" if "pipeline" in report.attrs else ""  # where convert reports it
-        say(f"converted in {time.perf_counter() - started:.1f} s{pipeline}")
-        if teacher is not None:
-            run_distill(model, teacher, text, tokenizer, args, staging, say)  # it draws its own random tokens
-            del teacher
-        save_pretrained(model, staging)
-        tokenizer.save_pretrained(str(staging))
-        report.to_csv(staging / REPORT_CSV, index=False)
-        if "refinement" in report.attrs:
-            _save_refinement(report.attrs["refinement"], staging / REFINEMENT_CSV, say)
-        model_name = Path(os.path.abspath(args.model_dir)).name
-        _plot_report(report, staging / REPORT_PNG, title=f"{model_name}: {report.attrs['summary']}")
+    with _transformers_bars(shown=not args.quiet), quiet_optional_imports(), _warnings_on_one_line():
+        tokenizer = load_tokenizer(args.model_dir)
+        files = CheckpointFiles(args.model_dir)
+        text, batches = _calibration(args, tokenizer, files, say)
+        kept = staging_path(args.output)
+        earlier = kept.is_dir() and not args.resume  # refused: the error says why
+        try:
+            report = compress_checkpoint(
+                args.model_dir, args.output, calibration_data=batches, config=config, resume=args.resume,
+                dtype=DTYPES.get(args.dtype), overwrite=args.overwrite, in_memory=args.in_memory,
+                distill=distiller(args, text, tokenizer, say),
+            )
+        except BaseException:
+            if kept.is_dir() and not earlier:
+                print(f"the work done so far is kept in {str(kept)!r}: run the same command with --resume to continue "
+                      "it, or delete it", file=sys.stderr, flush=True)
+            raise
+    say(f"converted in {time.perf_counter() - started:.1f} s ({report.attrs['pipeline']})")
+    _say_refinement(report, say)
     print(report.attrs["summary"], flush=True)
     say(f"wrote {args.output} in {time.perf_counter() - started:.1f} s; load it with "
-        f"panther_lite.from_pretrained({auto_class.__name__}, {str(args.output)!r})")
+        f"panther_lite.from_pretrained({files.auto_class.__name__}, {str(args.output)!r})")
     return 0

@@ -1,16 +1,15 @@
 """The ``compress`` command's ``--distill`` step: the converted model trained against the
 original (:func:`panther_lite.distill`), with its options and ``distillation.csv``.
 
-The original model is the teacher, so with ``--distill`` the command holds two models: a copy
-of the loaded model is taken before the conversion (and only then), kept until the
-distillation ends, then released.
+The original model is the teacher, so with ``--distill`` the command holds two models: the
+checkpoint is loaded whole (not streamed) and a copy of it taken before the conversion (and
+only then), kept until the distillation ends, then released.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch.nn as nn
 
@@ -20,7 +19,7 @@ from ..conversion.pipelines.blocks import without_kv_cache
 from .arguments import positive_float, positive_int
 from .checkpoint import CommandError
 
-__all__ = ["DISTILLATION_CSV", "add_distill_options", "check_distill_options", "original_if_distilling", "run_distill"]
+__all__ = ["DISTILLATION_CSV", "add_distill_options", "check_distill_options", "distiller", "run_distill"]
 
 DISTILLATION_CSV = "distillation.csv"
 
@@ -45,9 +44,13 @@ def check_distill_options(args: argparse.Namespace) -> dict:
     return settings
 
 
-def original_if_distilling(model: nn.Module, args: argparse.Namespace) -> Optional[nn.Module]:
-    """A copy of ``model`` as loaded (the teacher) with ``--distill``, else None (no second model)."""
-    return copy.deepcopy(model) if args.distill else None
+def distiller(args: argparse.Namespace, batches: List[dict], tokenizer, say) -> Optional[Callable]:
+    """With ``--distill``, :func:`~panther_lite.compress_checkpoint`'s ``distill`` step (which
+    keeps a copy of the loaded model as the teacher): :func:`run_distill` on the text
+    ``batches``; else None (no second model)."""
+    if not args.distill:
+        return None
+    return lambda model, teacher, directory: run_distill(model, teacher, batches, tokenizer, args, directory, say)
 
 
 def run_distill(model: nn.Module, teacher: nn.Module, batches: List[dict], tokenizer, args: argparse.Namespace,

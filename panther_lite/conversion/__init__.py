@@ -12,7 +12,9 @@ layout so its ``state_dict`` loads into a fresh copy of the dense model; :func:`
 (``tuning``) finds the smallest budget within a tolerance of the dense score; :func:`freeze`
 (``deploy``) turns sketched layers into standard ones for deployment;
 :func:`random_token_batches` adds a data-free prior over a language model's vocabulary to its
-calibration batches; :func:`distill` (``distilling``) trains a converted model against the original.
+calibration batches; :func:`distill` (``distilling``) trains a converted model against the original;
+:func:`compress_checkpoint` converts a checkpoint directory larger than memory, streamed block by
+block (``pipelines``: out of core).
 """
 from ..figures import plot_search
 from .api import convert, densify
@@ -25,6 +27,7 @@ from .kinds import (
 )
 from .pipelines import Pipeline
 from .report import conversion_summary
+from .saving.compress import compress_checkpoint
 from .saving.pretrained import from_pretrained, save_pretrained
 from .saving.serialization import apply_conversion_config, conversion_config
 from .tuning import tune
@@ -51,6 +54,7 @@ __all__ = [
     "ConversionError",
     "save_pretrained",
     "from_pretrained",
+    "compress_checkpoint",
     "tune",
     "plot_search",
     "random_token_batches",

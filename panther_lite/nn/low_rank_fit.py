@@ -58,7 +58,7 @@ def decomposition_dtype(weight: Tensor) -> torch.dtype:
 
 def _gram_square_root(gram: Tensor, damping: float) -> Tensor:
     """``C`` with ``C Cᵀ = G + λ·mean(diag G)·I`` (symmetric square root via eigh)."""
-    gram = 0.5 * (gram + gram.t())
+    _symmetrize_(gram)
     ridge = damping * gram.diagonal().mean().clamp_min(torch.finfo(gram.dtype).tiny)
     eigvals, eigvecs = torch.linalg.eigh(gram + ridge * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device))
     return (eigvecs * eigvals.clamp_min(0).sqrt()) @ eigvecs.t()
@@ -101,13 +101,24 @@ def uses_randomized_fit(shape: Sequence[int], rank: int, method: str = "auto", w
     return method == "randomized" or (size >= RANDOMIZED_MIN_SIZE and 2 * width <= smaller)
 
 
+def _symmetrize_(matrix: Tensor, block: int = 1024) -> None:
+    """``matrix ← (matrix + matrixᵀ)/2`` in place, one pair of blocks at a time: no temporary the
+    size of the matrix (a Gram of an FFN's inputs is hundreds of MB)."""
+    for i in range(0, matrix.shape[0], block):
+        for j in range(i, matrix.shape[0], block):
+            upper, lower = matrix[i : i + block, j : j + block], matrix[j : j + block, i : i + block]
+            average = (upper + lower.t()).mul_(0.5)
+            upper.copy_(average)
+            lower.copy_(average.t())
+
+
 def _randomized_output_subspace(weight: Tensor, rank: int, gram: Optional[Tensor], damping: float, seed: int) -> Tensor:
     """Top-``rank`` left singular vectors of ``W C`` (or ``W``) as the eigenvectors of
     ``M = W (G + ridge) Wᵀ`` (or ``W Wᵀ``), by a seeded randomized range finder."""
     omega = gaussian_matrix(weight.shape[1], _sketch_width(rank), seed=seed, dtype=weight.dtype, device=weight.device)
     if gram is None:
         return randomized_top_eigenvectors(weight, weight @ omega, rank, _POWER_ITERATIONS)
-    gram = 0.5 * (gram + gram.t())
+    _symmetrize_(gram)
     ridge = float(damping * gram.diagonal().mean().clamp_min(torch.finfo(gram.dtype).tiny))
 
     def whitened(z: Tensor) -> Tensor:  # (G + ridge·I)·z
@@ -139,7 +150,7 @@ def output_subspace(
     """
     seed = check_seed(seed)
     if uses_randomized_fit(weight.shape, rank, method, with_gram=gram is not None):
-        gram = None if gram is None else gram.to(weight.dtype)
+        gram = None if gram is None else gram.to(weight.dtype, copy=True)  # symmetrized in place
         return _randomized_output_subspace(weight, rank, gram, damping, 0 if seed is None else seed)
     target = weight if gram is None else weight @ _gram_square_root(gram.to(weight.dtype), damping)
     left = _left_singular_vectors(target)

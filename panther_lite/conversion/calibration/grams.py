@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ...nn.validation import check_finite
+from ...nn.validation import all_finite, check_finite
 from ..kinds.base import layer_input
 from ..records import LayerRecord
 from ..rules import progress_bar
@@ -112,7 +112,7 @@ class _SameInput:
 def check_finite_inputs(name: str, batch_index: int, statistics: Iterable[Tensor]) -> None:
     """ValueError naming the batch and the layer once a layer's input statistics (Grams
     accumulated up to batch ``batch_index``) hold NaN/Inf: that batch fed it non-finite inputs."""
-    if not all(bool(torch.isfinite(statistic).all()) for statistic in statistics):
+    if not all(all_finite(statistic) for statistic in statistics):
         raise ValueError(
             f"calibration batch {batch_index} gives layer {name!r} inputs with NaN/Inf entries (in the batch itself "
             "or produced by the layers before it); fix or drop that batch"

@@ -53,9 +53,18 @@ class ExpertsPart:
     def __init__(self, record: "ExpertsRecord", projection: str, weight: Tensor, bias: Optional[Tensor], transposed: bool):
         self.record, self.projection, self.name = record, projection, f"{record.name}.{projection}"
         self.kind, self.module, self.transposed = record.kind, record.module, transposed
-        self.weight, self.bias, self.notes = weight, bias, ""
+        self.has_bias, self.notes = bias is not None, ""
         self.num_terms: Optional[int] = None
         self.low_rank: Optional[int] = None
+
+    @property
+    def weight(self) -> Tensor:
+        """The module's weight stack as it is now (a pipeline loading weights later replaces it)."""
+        return getattr(self.module, self.projection)
+
+    @property
+    def bias(self) -> Optional[Tensor]:
+        return getattr(self.module, f"{self.projection}_bias") if self.has_bias else None
 
     @property
     def status(self) -> str:
@@ -83,10 +92,6 @@ class ExpertsPart:
     @property
     def fan_out(self) -> int:
         return self.weight.shape[2 if self.transposed else 1]
-
-    @property
-    def has_bias(self) -> bool:
-        return self.bias is not None
 
     @property
     def dense_params(self) -> int:

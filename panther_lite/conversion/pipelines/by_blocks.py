@@ -23,10 +23,12 @@ block moved to the calibration device and back) and the blocks' gains to the out
 """
 from __future__ import annotations
 
-from typing import ContextManager, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 
 from ..calibration.batches import CalibrationData, ModelRun, run_batch
 from ..calibration.grams import collect_grams
@@ -57,27 +59,48 @@ def _fit_block(runner, here: List[LayerRecord], original, current, config: Conve
     return fit_planned(runner, here, config, calibration, first_index=first_index)
 
 
-def _swap_sending_home(model: nn.Module, block_fits: Dict[str, FitResult], home: Optional[torch.device]) -> SwapLog:
-    """Swap the block's fitted layers in; the dense originals leave the block while it is on
-    the calibration device, so they go back to the block's own device now (an undo, or a
-    layer kept dense, puts them back into the model there)."""
-    swaps = swap_modules(model, [(name, fit.module) for name, fit in block_fits.items()])
+def _send_home(swaps: SwapLog, home: Optional[torch.device]) -> None:
+    """The dense originals a block's swaps took out leave the calibration device once the block
+    is done with them (refinement reads them), for the block's own device (an undo, or a layer
+    kept dense, puts them back into the model there)."""
     if home is not None:
         for _, _, original in swaps:
             original.to(home)
-    return swaps
+
+
+@dataclass
+class BlockSchedule:
+    """Where :func:`_convert_blocks` starts and stops, and who hears of each finished block (a
+    pipeline saving its progress, :mod:`.out_of_core`): from block ``start`` on the streams
+    ``original`` and ``current`` (each block ``start``'s hidden states, one tensor per batch;
+    None: the first block's captured ones, for both); the blocks run through block ``through``
+    included (None: as far as the last block holding a layer to convert needs them);
+    ``done(index, block_fits, streams)`` is called once block ``index`` is swapped and out of
+    ``materialise``, ``streams`` the next block's ``(original, current)`` hidden states (None: not run)."""
+
+    start: int = 0
+    original: Optional[List[Tensor]] = None
+    current: Optional[List[Tensor]] = None
+    through: Optional[int] = None
+    done: Optional[Callable[[int, Dict[str, FitResult], Optional[Tuple[list, list]]], None]] = None
 
 
 def _convert_blocks(
     model: nn.Module, todo: List[LayerRecord], block_list: BlockList, captured: BlockCalls, config: ConvertConfig,
-    log: SwapLog, after_fit: Optional[AfterFit], materialise: Materialise,
+    log: SwapLog, after_fit: Optional[AfterFit], materialise: Materialise, schedule: Optional[BlockSchedule] = None,
 ) -> Dict[str, FitResult]:
     """Fit and swap the blocks' layers block by block (swaps appended to ``log``), their
-    statistics and refinement losses on the real tokens of ``captured``'s batches."""
+    statistics and refinement losses on the real tokens of ``captured``'s batches, as
+    ``schedule`` says."""
+    schedule = schedule or BlockSchedule()
     last = max((i for i in range(len(block_list.blocks)) if block_list.records_in(i, todo)), default=-1)
+    through = last - 1 if schedule.through is None else max(last - 1, schedule.through)
     cache, device, fits = config.cache_device, config.calibration_device, {}
-    original = current = captured.first()  # each stream's hidden states, one tensor per batch
-    for index, block in enumerate(progress_bar(block_list.blocks[: last + 1], "converting", "block", config.progress)):
+    # each stream's hidden states, one tensor per batch
+    original = captured.first() if schedule.original is None else schedule.original
+    current = original if schedule.current is None else schedule.current
+    for index in progress_bar(range(schedule.start, max(last, through) + 1), "converting", "block", config.progress):
+        block, advance = block_list.blocks[index], index <= through
         here, where, home = block_list.records_in(index, todo), block_list.prefix(index)[:-1], block_device(block)
         with materialise(index, block):
             runner = BlockRunner(model, block, device)
@@ -86,15 +109,18 @@ def _convert_blocks(
             current_calls = captured.feed(index, current) if config.sequential else original_calls
             streams = captured.masked(original_calls), captured.masked(current_calls)
             block_fits = _fit_block(runner, here, *streams, config, first_index)
-            targets = run_block(runner, original_calls, cache, where) if index < last or after_fit is not None else None
-            log += _swap_sending_home(model, block_fits, home)
+            targets = run_block(runner, original_calls, cache, where) if advance or after_fit is not None else None
+            swaps = swap_modules(model, [(name, fit.module) for name, fit in block_fits.items()])
+            log += swaps
             fits.update(block_fits)
             if after_fit is not None:
-                fitted = FittedBlock(index, where, block, runner, here, block_fits, current_calls, targets, captured.masks)
-                after_fit(fitted)
-            if index < last:
+                after_fit(FittedBlock(index, where, block, runner, here, block_fits, current_calls, targets, captured.masks))
+            if advance:
                 current = run_block(runner, current_calls, cache, where) if config.sequential else targets
                 original = targets
+            _send_home(swaps, home)
+        if schedule.done is not None:
+            schedule.done(index, block_fits, (original, current) if advance else None)
     return fits
 
 

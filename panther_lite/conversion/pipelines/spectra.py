@@ -11,9 +11,10 @@ every pooled layer.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.nn as nn
+from torch import Tensor
 
 from ..calibration.batches import CalibrationData
 from ..calibration.grams import collect_grams
@@ -27,6 +28,7 @@ from .blocks import BlockList, BlockRunner, run_block
 from .capture import BlockCalls, Materialise
 
 BlockGains = Callable[[List[nn.Module]], List[float]]
+OutsideSpectra = Callable[[List[LayerRecord], List[Tensor]], Tuple[dict, dict]]
 
 
 def _spectra(model: nn.Module, pooled: List[LayerRecord], data: CalibrationData, config: ConvertConfig) -> Tuple[dict, dict]:
@@ -44,16 +46,20 @@ def _spectra(model: nn.Module, pooled: List[LayerRecord], data: CalibrationData,
 def spectra_pass(
     model: nn.Module, pooled: List[LayerRecord], block_list: BlockList, captured: BlockCalls,
     config: ConvertConfig, data: CalibrationData, materialise: Materialise, block_gains: BlockGains,
+    outside_spectra: Optional[OutsideSpectra] = None,
 ) -> Tuple[Dict[str, object], Dict[str, float]]:
     """``(energies, gains)`` of every pooled layer (see the module docstring); each block is
     run inside ``materialise(index, block)``; ``block_gains(blocks)`` gives the squared gain of
-    each block's output to the model's output."""
+    each block's output to the model's output. ``outside_spectra(records, hidden)``, when given,
+    gives those of the pooled layers outside the blocks from the last block's hidden states
+    (one tensor per batch; a pipeline that cannot run the whole model); the blocks then all run."""
     last = max((i for i in range(len(block_list.blocks)) if block_list.records_in(i, pooled)), default=-1)
     outside = [record for record in pooled if not block_list.inside(record)]
     device = config.calibration_device
-    energies, gains = _spectra(model, outside, data, config) if outside else ({}, {})
+    through = len(block_list.blocks) - 1 if outside and outside_spectra is not None else last - 1
+    energies, gains = _spectra(model, outside, data, config) if outside and outside_spectra is None else ({}, {})
     gains_to_output = block_gains(block_list.blocks[: last + 1])
-    blocks = progress_bar(block_list.blocks[: last + 1], "measuring spectra", "block", config.progress)
+    blocks = progress_bar(block_list.blocks[: max(last, through) + 1], "measuring spectra", "block", config.progress)
     hidden = captured.first()
     for index, block in enumerate(blocks):
         here, calls = block_list.records_in(index, pooled), captured.feed(index, hidden)
@@ -63,17 +69,24 @@ def spectra_pass(
                 block_energies, within = _spectra(runner, here, CalibrationData(captured.masked(calls)), config)
                 energies.update(block_energies)
                 gains.update({name: gain * gains_to_output[index] for name, gain in within.items()})
-            if index < last:
+            if index <= through:
                 hidden = run_block(runner, calls, config.cache_device, block_list.prefix(index)[:-1])
+    if outside and outside_spectra is not None:
+        outside_energies, outside_gains = outside_spectra(outside, hidden)
+        energies.update(outside_energies)
+        gains.update(outside_gains)
     return energies, gains
 
 
 def plan_global_by_blocks(
     model: nn.Module, pooled: List[LayerRecord], block_list: BlockList, captured: BlockCalls,
     config: ConvertConfig, data: CalibrationData, materialise: Materialise, block_gains: BlockGains,
+    outside_spectra: Optional[OutsideSpectra] = None,
 ) -> Dict[str, PlanNote]:
     """:func:`~panther_lite.conversion.planning.global_plan.plan_global` over ``pooled`` from
     one :func:`spectra_pass` over the dense blocks."""
-    energies, gains = spectra_pass(model, pooled, block_list, captured, config, data, materialise, block_gains)
+    energies, gains = spectra_pass(
+        model, pooled, block_list, captured, config, data, materialise, block_gains, outside_spectra
+    )
     sizes = config.sizes
     return plan_global(pooled, sizes.default, sizes.ratio_terms, rank_multiple_for(config.align), {}, gains, energies)

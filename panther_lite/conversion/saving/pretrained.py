@@ -1,10 +1,9 @@
 """Saving and loading converted models: the model's own files plus its conversion config.
 
-``save_pretrained(model, directory)`` writes what the model's own library writes
-(Hugging Face ``save_pretrained`` with safetensors, sentence-transformers' ``save``, or a
-safetensors ``state_dict`` for any other module) and ``panther_lite_config.json`` with the
-conversion config. For Hugging Face models the conversion is also recorded in each
-``config.json`` under ``"panther_lite"``, so the directory says what it holds.
+``save_pretrained(model, directory)`` writes what the model's own library writes (Hugging Face
+``save_pretrained`` with safetensors, sentence-transformers' ``save``, or a safetensors
+``state_dict`` for any other module) and ``panther_lite_config.json`` with the conversion
+config; for Hugging Face models also in each ``config.json`` under ``"panther_lite"``.
 
 ``from_pretrained(model_class_or_factory, directory, **kwargs)`` builds the dense
 architecture, swaps in sketched layers of the recorded sizes and loads the weights:
@@ -17,9 +16,8 @@ architecture, swaps in sketched layers of the recorded sizes and loads the weigh
 - any other factory: it runs with parameters on the meta device (no initialisation cost),
   then the state_dict is assigned.
 
-A plain ``AutoModel.from_pretrained`` of such a directory loads the dense architecture: the
-sketched layers' tensors are unexpected keys and their dense weights are missing, which
-transformers reports as a loading warning; load it with :func:`from_pretrained` instead.
+A plain ``AutoModel.from_pretrained`` of such a directory loads the dense architecture (the
+sketched layers' tensors unexpected, their dense weights missing): use :func:`from_pretrained`.
 """
 from __future__ import annotations
 
@@ -42,11 +40,10 @@ from ..deploy.quantized import check_storable, warn_if_quantized_beside
 from .serialization import apply_conversion_config, conversion_config
 from .weight_files import WEIGHTS_NAME, load_weights_file, read_weights
 
-__all__ = ["save_pretrained", "from_pretrained", "PRETRAINED_CONFIG_NAME"]
+__all__ = ["save_pretrained", "from_pretrained", "PRETRAINED_CONFIG_NAME", "save_transformers_config"]
 
 PRETRAINED_CONFIG_NAME = "panther_lite_config.json"
-_FORMAT = "panther_lite.pretrained"
-_VERSION = 1
+_FORMAT, _VERSION = "panther_lite.pretrained", 1
 # the key under which each saved Hugging Face config.json records its own conversion
 HF_CONFIG_KEY = "panther_lite"
 
@@ -158,6 +155,20 @@ def _move_into(source: Path, target: Path) -> None:
             os.replace(entry, destination)
 
 
+def write_pretrained_record(directory: Path, saved_with: str, conversion: Mapping) -> None:
+    """``panther_lite_config.json``: how the files were written and the ``conversion`` config."""
+    record = dict(format=_FORMAT, version=_VERSION, saved_with=saved_with, conversion=conversion)
+    (directory / PRETRAINED_CONFIG_NAME).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def save_transformers_config(model: nn.Module, directory: Path, conversion: Mapping) -> None:
+    """:func:`save_pretrained`'s files but the weights (written apart): ``config.json`` recording
+    ``conversion``, and ``panther_lite_config.json``."""
+    with _recorded_in_configs(model, conversion):
+        model.config.save_pretrained(str(directory))
+    write_pretrained_record(directory, _TRANSFORMERS, conversion)
+
+
 def save_pretrained(model: nn.Module, directory: PathLike) -> None:
     """Save a (converted) model so :func:`from_pretrained` rebuilds it exactly.
 
@@ -199,8 +210,7 @@ def save_pretrained(model: nn.Module, directory: PathLike) -> None:
     staging = Path(tempfile.mkdtemp(prefix=".panther_lite_staging.", dir=directory))
     try:
         _write_model_files(model, saved_with, staging, conversion)
-        record = dict(format=_FORMAT, version=_VERSION, saved_with=saved_with, conversion=conversion)
-        (staging / PRETRAINED_CONFIG_NAME).write_text(json.dumps(record, indent=2) + "\n")
+        write_pretrained_record(staging, saved_with, conversion)
         _move_into(staging, directory)
     except BaseException:
         if created:  # nothing of this call is left behind

@@ -1,0 +1,177 @@
+"""A transformers checkpoint directory read part by part: its config and the class that builds
+it, the name, dtype and file of every tensor (one ``model.safetensors`` or shards with their
+index) read from the files' headers alone, a skeleton of the model with its parameters on the
+meta device, the tensors of one part read on demand, and a fingerprint of the whole."""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ...extras import require
+from .pretrained import _parameters_on_meta
+from .weight_files import SHARD_INDEX_NAME, WEIGHTS_NAME
+
+__all__ = ["CheckpointFiles", "auto_class_for", "SAFETENSORS_DTYPES"]
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+_SAMPLES, _SAMPLE_BYTES = 16, 1 << 16  # content sampled per file for the fingerprint
+
+
+def _auto_classes() -> List[type]:
+    """``AutoModel`` first, then every ``AutoModelFor...`` class of the installed transformers."""
+    transformers = require("transformers", "reading a transformers checkpoint")
+    names = ["AutoModel"] + sorted(name for name in dir(transformers) if name.startswith("AutoModelFor"))
+    return [getattr(transformers, name) for name in names]
+
+
+def _builds(auto_class: type, config, architecture: str) -> bool:
+    try:
+        built = auto_class._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return False
+    return architecture in {cls.__name__ for cls in (built if isinstance(built, tuple) else (built,))}
+
+
+def auto_class_for(config) -> type:
+    """The transformers Auto class that builds ``config.architectures[0]`` for this config
+    (``AutoModelForCausalLM`` for a ``GPT2LMHeadModel``, say); ``AutoModel`` when the config
+    names no architecture; the architecture's own class when no Auto class builds it."""
+    transformers = require("transformers", "reading a transformers checkpoint")
+    architectures = getattr(config, "architectures", None) or []
+    if not architectures:
+        return transformers.AutoModel
+    architecture = architectures[0]
+    found = next((auto for auto in _auto_classes() if _builds(auto, config, architecture)), None)
+    if found is not None:
+        return found
+    own = getattr(transformers, architecture, None)
+    if own is None:
+        raise ValueError(f"config.json names architecture {architecture!r}, which this transformers cannot build")
+    return own
+
+
+def read_header(path: Path) -> Tuple[dict, int]:
+    """``(tensor entries, offset of the data)`` of a safetensors file, from its header alone
+    (``{name: {"dtype", "shape", "data_offsets"}}``); ValueError naming the file when it is not one."""
+    try:
+        with open(path, "rb") as file:
+            size = struct.unpack("<Q", file.read(8))[0]
+            header = json.loads(file.read(size))
+    except (OSError, struct.error, ValueError, UnicodeDecodeError, MemoryError) as error:
+        raise ValueError(f"{str(path)!r} is not a readable safetensors file (truncated or corrupt?): {error}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{str(path)!r} is not a safetensors file: its header is not a JSON object")
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def _weight_files(directory: Path) -> List[Path]:
+    """The safetensors files holding the checkpoint's tensors (one file, or the shards its index
+    names; none when it has neither, e.g. weights in PyTorch's pickle format only)."""
+    if (directory / WEIGHTS_NAME).is_file():
+        return [directory / WEIGHTS_NAME]
+    index = directory / SHARD_INDEX_NAME
+    if not index.is_file():
+        if not any(directory.glob("pytorch_model*.bin*")):
+            raise ValueError(
+                f"MODEL_DIR {str(directory)!r} has no weights: neither {WEIGHTS_NAME}, {SHARD_INDEX_NAME} nor "
+                "pytorch_model.bin"
+            )
+        return []
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{str(index)!r} is not a shard index (a JSON object with a weight_map): {error}") from None
+    missing = [name for name in names if not (directory / name).is_file()]
+    if missing:
+        raise ValueError(f"{str(index)!r} names shards that are missing: {missing[:5]}")
+    return [directory / name for name in names]
+
+
+class CheckpointFiles:
+    """A transformers checkpoint directory: ``config`` (read with ``AutoConfig``),
+    ``auto_class`` (:func:`auto_class_for`), ``files`` (its safetensors files, none when it has
+    other weights) and ``tensors``: ``{name: (file, dtype, shape)}`` for every tensor in them,
+    read from their headers; nothing else is read until :meth:`read` asks for some tensors.
+    ValueError naming the file for anything unreadable."""
+
+    def __init__(self, directory: Path) -> None:
+        transformers = require("transformers", "reading a transformers checkpoint")
+        self.directory = Path(directory)
+        try:
+            self.config = transformers.AutoConfig.from_pretrained(str(self.directory))
+        except (OSError, ValueError, KeyError) as error:
+            raise ValueError(f"MODEL_DIR {str(self.directory)!r}: its config.json could not be read: {error}") from None
+        self.auto_class = auto_class_for(self.config)
+        self.files = _weight_files(self.directory)
+        self.tensors: Dict[str, Tuple[Path, str, Tuple[int, ...]]] = {}
+        for path in self.files:
+            header, _ = read_header(path)
+            for name, entry in header.items():
+                self.tensors[name] = (path, entry.get("dtype"), tuple(entry.get("shape", ())))
+
+    def default_dtype(self) -> torch.dtype:
+        """The dtype ``from_pretrained(dtype="auto")`` picks: the config's, else the first
+        floating-point tensor's."""
+        dtype = getattr(self.config, "dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        floating = (SAFETENSORS_DTYPES.get(code) for _, code, _ in self.tensors.values())
+        return next((d for d in floating if d is not None and d.is_floating_point), torch.get_default_dtype())
+
+    def skeleton(self, dtype: Optional[torch.dtype] = None) -> nn.Module:
+        """The model the checkpoint holds, in eval mode, built in ``dtype`` (None: :meth:`default_dtype`)
+        with its parameters on the meta device (buffers its ``__init__`` computes stay real)."""
+        with _parameters_on_meta():
+            model = self.auto_class.from_config(self.config, dtype=dtype or self.default_dtype())
+        return model.eval()
+
+    def load_whole(self, dtype: Optional[torch.dtype] = None) -> nn.Module:
+        """The whole model, loaded by transformers in ``dtype`` (None: :meth:`default_dtype`), in eval mode."""
+        try:
+            model = self.auto_class.from_pretrained(str(self.directory), dtype=dtype or self.default_dtype())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"MODEL_DIR {str(self.directory)!r}: the model could not be loaded: {error}") from None
+        return model.eval()
+
+    def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        """The tensors ``names`` (all held by the checkpoint), each file opened once and closed
+        again (its pages leave the process's memory with it)."""
+        safe_open = require("safetensors", "reading a transformers checkpoint").safe_open
+        by_file: Dict[Path, List[str]] = {}
+        for name in names:
+            by_file.setdefault(self.tensors[name][0], []).append(name)
+        tensors = {}
+        for path, wanted in by_file.items():
+            with safe_open(str(path), framework="pt", device="cpu") as file:
+                tensors.update({name: file.get_tensor(name) for name in wanted})
+        return tensors
+
+    def fingerprint(self) -> str:
+        """A digest of the checkpoint: ``config.json``, and per weight file its size, header and
+        ``16 × 64 KiB`` of its data spread over it (so two random initialisations of one
+        architecture, which share their headers, differ), without reading the whole files."""
+        digest = hashlib.sha256((self.directory / "config.json").read_bytes())
+        for path in self.files:
+            size = path.stat().st_size
+            _, start = read_header(path)
+            digest.update(f"{path.name}:{size}".encode())
+            with open(path, "rb") as file:
+                digest.update(file.read(start))
+                for sample in range(_SAMPLES):
+                    file.seek(start + (size - start) * sample // _SAMPLES)
+                    digest.update(file.read(_SAMPLE_BYTES))
+        return digest.hexdigest()

@@ -1,0 +1,235 @@
+"""``compress_checkpoint``: a transformers checkpoint directory converted into a new one without
+ever loading the model whole (the out-of-core pipeline,
+:mod:`~panther_lite.conversion.pipelines.out_of_core`), written through a staging directory
+from which a killed run resumes; a model that cannot be streamed is loaded whole, saying why."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+from ...extras import require
+from ..api import convert, run_pipeline
+from ..calibration.batches import CalibrationData
+from ..config import ConvertConfig, make_config
+from ..fitting.block_refinement import REFINEMENT_COLUMNS
+from ..pipelines.base import Conversion
+from ..pipelines.blocks import without_kv_cache
+from ..pipelines.out_of_core import choose_out_of_core
+from ..selection import mark_unconvertible, select_layers
+from .checkpoint_files import CheckpointFiles
+from .pretrained import save_pretrained, save_transformers_config
+from .resume_state import RunState
+from .serialization import conversion_config
+from .shards import finalize_shards
+from .staging import staged_directory
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["compress_checkpoint", "REPORT_CSV", "REPORT_PNG", "REFINEMENT_CSV"]
+
+REPORT_CSV, REPORT_PNG, REFINEMENT_CSV = "report.csv", "report.png", "refinement.csv"
+_OWN_OPTIONS = {"dtype": None, "overwrite": False, "in_memory": False}
+_COPIED = ("generation_config.json",)
+Distiller = Callable[[torch.nn.Module, torch.nn.Module, Path], object]
+"""``distill(model, teacher, directory)``: trains the converted ``model`` against ``teacher``
+(the original), may write files into ``directory`` (the output, staged)."""  # files of MODEL_DIR the model's own save_pretrained writes too
+
+
+def _options_record(config: ConvertConfig, own: dict) -> dict:
+    """The options that shape the result, as JSON (``progress`` does not)."""
+    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init and f.name != "progress"}
+    filter_fn = options["filter_fn"]
+    options["filter_fn"] = None if filter_fn is None else f"{filter_fn.__module__}.{filter_fn.__qualname__}"
+    options["refine"] = None if config.refine is None else dataclasses.asdict(config.refine)
+    return json.loads(json.dumps({**options, **own}, default=str))
+
+
+def _data_digest(source) -> str:
+    """sha256 of the calibration batches (each tensor's dtype, shape and bytes; other values' repr)."""
+    digest = hashlib.sha256()
+    batches = [source] if source is None or callable(source) else source
+    for batch in batches:
+        for leaf in tree_flatten(batch)[0]:
+            if isinstance(leaf, Tensor):
+                data = leaf.detach().cpu().contiguous()
+                digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
+                digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+            else:
+                digest.update(repr(getattr(leaf, "__qualname__", leaf)).encode())
+    return digest.hexdigest()
+
+
+def _fingerprint(files: CheckpointFiles, config: ConvertConfig, data: CalibrationData, own: dict) -> dict:
+    from ... import __version__
+
+    versions = {"panther_lite": __version__, "torch": torch.__version__}
+    return dict(checkpoint=files.fingerprint(), options=_options_record(config, own), data=_data_digest(data.source),
+                versions=versions)
+
+
+def _write_reports(report: "pd.DataFrame", directory: Path, title: str) -> None:
+    """``report.csv``, ``refinement.csv`` (with refinement) and ``report.png`` (a warning
+    instead when matplotlib, the ``[bench]`` extra, is missing: the model is written without it)."""
+    import pandas as pd
+
+    from .report_plot import plot_conversion_report
+
+    report.to_csv(directory / REPORT_CSV, index=False)
+    if "refinement" in report.attrs:
+        pd.DataFrame(report.attrs["refinement"], columns=REFINEMENT_COLUMNS).to_csv(directory / REFINEMENT_CSV,
+                                                                                     index=False)
+    try:
+        plot_conversion_report(report, directory / REPORT_PNG, title=f"{title}: {report.attrs['summary']}")
+    except ModuleNotFoundError as error:
+        if not str(error.name).startswith("matplotlib"):
+            raise
+        warnings.warn(f"{REPORT_PNG} not written: {error}", UserWarning, stacklevel=3)
+
+
+def _copy_side_files(files: CheckpointFiles, directory: Path) -> None:
+    """The tokenizer (when MODEL_DIR has one) and the files the model's own save writes beside its weights."""
+    transformers = require("transformers", "compress_checkpoint")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(files.directory))
+    except (OSError, ValueError, KeyError, TypeError):
+        tokenizer = None  # a checkpoint without a tokenizer is still a checkpoint
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
+    for name in _COPIED:
+        if (files.directory / name).is_file() and not (directory / name).exists():
+            shutil.copyfile(files.directory / name, directory / name)
+
+
+def _convert_whole(
+    files: CheckpointFiles, dtype: torch.dtype, config: ConvertConfig, data: CalibrationData, directory: Path,
+    why: str, distill: Optional[Distiller],
+) -> "pd.DataFrame":
+    """The checkpoint loaded whole, converted (then distilled against a copy of the original) and saved."""
+    model = files.load_whole(dtype)
+    teacher = None if distill is None else copy.deepcopy(model)  # a second model only when distilling
+    with without_kv_cache(model):
+        report = convert(model, config, calibration_data=data.source)
+    report.attrs["pipeline"] += f" (the model loaded whole: {why})"
+    if distill is not None:
+        distill(model, teacher, directory)
+        del teacher
+    save_pretrained(model, directory)
+    return report
+
+
+def _convert_into(
+    files: CheckpointFiles, dtype: torch.dtype, config: ConvertConfig, data: CalibrationData, state: RunState,
+    directory: Path, in_memory: bool, distill: Optional[Distiller],
+) -> "pd.DataFrame":
+    """Convert the checkpoint into ``directory``: streamed when it can be, else loaded whole."""
+    model = files.skeleton(dtype)
+    records = select_layers(model, config.target_modules, config.exclude_modules, config.filter_fn)
+    mark_unconvertible(model, records, meta_loaded_later=True)
+    job = Conversion(model, config, data, records)
+    if in_memory or distill is not None:
+        pipeline, why = None, "in_memory=True" if in_memory else "distill trains the whole model against the original"
+    else:
+        pipeline, why = choose_out_of_core(job, files, state)
+    if pipeline is None:
+        if not in_memory and distill is None:
+            warnings.warn(f"compress_checkpoint: loading {str(files.directory)!r} whole: {why}", UserWarning, stacklevel=3)
+        report = _convert_whole(files, dtype, config, data, directory, why, distill)
+    else:
+        with without_kv_cache(model):
+            report, _ = run_pipeline(job, pipeline)
+        count = len(pipeline.block_list.blocks)
+        parts = [state.part_path("outside"), *(state.part_path(f"block-{index:05d}") for index in range(count))]
+        finalize_shards(parts, directory)
+        save_transformers_config(model, directory, conversion_config(model))
+    _copy_side_files(files, directory)
+    _write_reports(report, directory, Path(os.path.abspath(files.directory)).name)
+    return report
+
+
+def _check_dtype(dtype) -> Optional[torch.dtype]:
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be None (the checkpoint's) or a floating-point torch.dtype, got {dtype!r}")
+    return dtype
+
+
+def compress_checkpoint(
+    model_dir, output_dir, *, calibration_data, config: Optional[ConvertConfig] = None, resume: bool = False,
+    distill: Optional[Distiller] = None, **options,
+) -> "pd.DataFrame":
+    """Convert the transformers checkpoint in ``model_dir`` (:func:`~panther_lite.convert`'s
+    conversion) into ``output_dir`` without loading the model whole, so models larger than
+    memory compress. Nothing is ever written into ``model_dir``.
+
+    The model is built from its config with parameters on the meta device; what lies outside its
+    block list (embeddings, final norm, head) is read from the safetensors file(s) once, each
+    block only while a step runs it (the out-of-core pipeline,
+    :mod:`~panther_lite.conversion.pipelines.out_of_core`); each finished block is written to the
+    output before the next is read. Peak memory: the imports, the parts outside the blocks,
+    about two blocks and the working buffers (Grams, the cached hidden states), whatever the
+    depth. A model without a block list, calibration data that is not a list of batches, or
+    blocks that are not a chain is loaded whole, with a warning saying why.
+
+    Output: a transformers checkpoint directory (sharded safetensors with their index, one shard
+    per block; ``config.json``; ``panther_lite_config.json``; the tokenizer; ``report.csv``,
+    ``report.png`` and, with refinement, ``refinement.csv``) that
+    :func:`~panther_lite.from_pretrained` loads: the same model as ``convert`` on the same batches.
+    Everything is written to the staging directory ``.<name>.partial`` beside ``output_dir``,
+    renamed into place at the end. A run stopped in any way (an error, Ctrl-C, SIGTERM, SIGKILL)
+    after it planned or wrote a block leaves that directory; ``resume=True`` continues from the
+    last block written, with the same result bit for bit; a directory left by another checkpoint,
+    other options, other data or other versions is refused, as is one without ``resume``.
+
+    Args:
+        model_dir: a transformers ``save_pretrained`` directory with safetensors weights.
+        output_dir: where to write; must not be, hold or lie inside ``model_dir``.
+        calibration_data: a list of batches (``model(**batch)`` for a dict, ...) as for ``convert``.
+        config: a :class:`~panther_lite.ConvertConfig` (None: its defaults), as for ``convert``.
+        **options: its fields as overrides, as for ``convert``; also ``dtype`` (None: the
+            checkpoint's), ``overwrite`` (replace a non-empty ``output_dir``) and ``in_memory``
+            (load the model whole and convert it in memory).
+        resume: continue the run a staging directory holds (with none, start afresh).
+        distill: None, or a callable ``(model, teacher, directory)`` run after the conversion and
+            before the model is saved, e.g. one calling :func:`~panther_lite.distill`: the
+            checkpoint is then loaded whole and a copy of it kept as ``teacher`` (the original),
+            so both models are in memory; ``directory`` is the staged output.
+
+    Returns:
+        ``convert``'s report; ``attrs["pipeline"]`` says which pipeline ran and why.
+    """
+    own = {name: options.pop(name, default) for name, default in _OWN_OPTIONS.items()}
+    dtype = _check_dtype(own["dtype"])
+    if distill is not None and not callable(distill):
+        raise TypeError(f"distill must be None or a callable (model, teacher, directory), got {type(distill).__name__}")
+    config = make_config(config, options, caller="compress_checkpoint")
+    data = CalibrationData(calibration_data)
+    if config.sequential:
+        data.check_sequential()
+    for name, path in (("model_dir", model_dir), ("output_dir", output_dir)):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(path).__name__}")
+    files = CheckpointFiles(Path(model_dir))
+    dtype = dtype or files.default_dtype()
+    fingerprint = _fingerprint(files, config, data, {**own, "dtype": str(dtype)})
+    inputs = {"MODEL_DIR": Path(model_dir)}
+    with staged_directory(Path(output_dir), bool(own["overwrite"]), inputs, resume) as staging:
+        state = RunState(staging.path, fingerprint)
+        try:
+            report = _convert_into(files, dtype, config, data, state, staging.path, bool(own["in_memory"]), distill)
+        except BaseException:
+            staging.keep = state.holds_work
+            state.close()
+            raise
+        state.remove()
+    return report

@@ -1,0 +1,152 @@
+"""The bookkeeping of a resumable run, kept in its staging directory: what the run is (a
+fingerprint of the checkpoint, the options, the calibration data and the versions, so that a
+staging directory is only ever resumed by the same run), the plan, and per finished block its
+report figures and the hidden states the next block receives (with the random generators'
+state); the scratch space holds what is only worth keeping to save work (the captured calls).
+
+A block counts as finished once ``progress.pt`` says so: its tensors and its record are
+written first, each under a temporary name renamed into place, so a process killed at any
+moment (SIGKILL included) leaves either the previous progress or the new one, never half of
+one. A lock (``flock``, released by the kernel when the process dies) keeps two runs out of
+one directory.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+__all__ = ["RunState", "RESUME_DIRECTORY"]
+
+RESUME_DIRECTORY = ".panther_lite_resume"
+_FORMAT, _VERSION = "panther_lite.resume", 1
+
+
+def _write_json(path: Path, value: Any) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(value, indent=1) + "\n")
+    os.replace(temporary, path)
+
+
+def _differences(saved: dict, now: dict) -> List[str]:
+    """What differs between the fingerprint a directory was made with and the run's, in words."""
+    found = [words for key, words in (("checkpoint", "another checkpoint"), ("data", "other calibration data"))
+             if saved.get(key) != now[key]]
+    if saved.get("versions") != now["versions"]:
+        found.append(f"other versions ({saved.get('versions')} then, {now['versions']} now)")
+    old, new = saved.get("options", {}), now["options"]
+    changed = [f"{key}: {old.get(key)!r} then, {new.get(key)!r} now" for key in sorted({*old, *new})
+               if old.get(key) != new.get(key)]
+    if changed:
+        found.append(f"other options ({'; '.join(changed)})")
+    return found
+
+
+class RunState:
+    """The resume bookkeeping in ``staging/.panther_lite_resume`` for the run ``fingerprint``
+    (a JSON-able dict with ``checkpoint``, ``options``, ``data`` and ``versions``). A directory
+    left by another run (other checkpoint, options, data or versions), or in use by a live run,
+    is a ValueError naming the difference; call :meth:`close` when done (it releases the lock)."""
+
+    def __init__(self, staging: Path, fingerprint: dict) -> None:
+        self.root = staging / RESUME_DIRECTORY
+        self.root.mkdir(parents=True, exist_ok=True)
+        for folder in ("parts", "blocks", "scratch"):
+            (self.root / folder).mkdir(exist_ok=True)
+        self._lock = open(self.root / "lock", "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise ValueError(f"{str(staging)!r} is in use by another run (it holds the lock of {str(self.root)!r})") from None
+        manifest = self.root / "manifest.json"
+        if manifest.is_file():
+            saved = json.loads(manifest.read_text())
+            problems = _differences(saved.get("fingerprint", {}), fingerprint) if saved.get("format") == _FORMAT else [
+                "an unknown format"]
+            if problems:
+                self.close()
+                raise ValueError(
+                    f"cannot resume from {str(staging)!r}: it was made from {'; '.join(problems)}; delete it to start "
+                    "again, or resume with what made it"
+                )
+        else:
+            _write_json(manifest, dict(format=_FORMAT, version=_VERSION, fingerprint=fingerprint))
+
+    def close(self) -> None:
+        self._lock.close()
+
+    @property
+    def holds_work(self) -> bool:
+        """Whether a plan (global allocation's, from a pass over the blocks) or a finished block
+        is saved: the directory is worth keeping."""
+        return (self.root / "plan.json").is_file() or (self.root / "progress.pt").is_file()
+
+    def part_path(self, name: str) -> Path:
+        return self.root / "parts" / f"{name}.safetensors"
+
+    def scratch(self, name: str) -> Path:
+        return self.root / "scratch" / name
+
+    def save_scratch(self, name: str, value) -> None:
+        """``value`` (tensors in lists, tuples and dicts) saved as ``name`` in the scratch space,
+        whole or not at all."""
+        temporary = self.scratch(name + ".tmp")
+        torch.save(value, temporary)
+        os.replace(temporary, self.scratch(name))
+
+    def load_scratch(self, name: str):
+        """What :meth:`save_scratch` saved as ``name``; None when nothing was (or it cannot be
+        read back: it is only ever worth recomputing)."""
+        path = self.scratch(name)
+        try:
+            return torch.load(path, weights_only=True) if path.is_file() else None
+        except Exception:  # pickle / torch's own errors: recompute it
+            return None
+
+    def save_plan(self, plan: dict) -> None:
+        _write_json(self.root / "plan.json", plan)
+
+    def plan(self) -> Optional[dict]:
+        path = self.root / "plan.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def commit(self, finished: int, record: dict, streams, outside: bool = False) -> None:
+        """Record that blocks ``0 .. finished - 1`` (and, with ``outside``, everything outside
+        the blocks) are written: ``record`` (JSON) is the last one's report entry, ``streams``
+        the hidden states the next block receives (None: not needed)."""
+        _write_json(self.root / "blocks" / f"{'outside' if outside else finished - 1}.json", record)
+        state = dict(finished=finished, outside=outside, streams=streams, rng=torch.get_rng_state(),
+                     cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])
+        temporary = self.root / "progress.pt.tmp"
+        torch.save(state, temporary)
+        os.replace(temporary, self.root / "progress.pt")
+
+    def progress(self) -> Dict[str, Any]:
+        """``{"finished", "outside", "streams"}`` of the last commit (0 blocks, nothing, when
+        none), the random generators set back to their state at that commit."""
+        path = self.root / "progress.pt"
+        if not path.is_file():
+            return dict(finished=0, outside=False, streams=None)
+        try:
+            state = torch.load(path, weights_only=True)
+        except Exception as error:  # pickle / torch's own errors: an unreadable file whatever the cause
+            raise ValueError(f"cannot resume: {str(path)!r} is unreadable ({error}); delete the staging directory") from None
+        torch.set_rng_state(state["rng"])
+        if state["cuda_rng"]:
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        return state
+
+    def record(self, name) -> dict:
+        """The report entry committed for block ``name`` (an index, or ``"outside"``)."""
+        return json.loads((self.root / "blocks" / f"{name}.json").read_text())
+
+    def remove(self) -> None:
+        """Delete the bookkeeping (the run is complete; the lock goes with it)."""
+        self.close()
+        shutil.rmtree(self.root, ignore_errors=True)
