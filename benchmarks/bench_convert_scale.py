@@ -51,6 +51,8 @@ from panther_lite.benchmark.memory import ResidentPeak, command_peak
 
 PARTS = ("depth", "width", "tinyllama", "streamed", "llama7b")
 COMMAND_PARTS = ("streamed", "llama7b")
+STREAMED_DEPTHS = (6, 12, 22)
+COMMAND_MODES = ("streamed", "in memory")
 TEXT = Path(__file__).resolve().parent / "data" / "natural_sentences.txt"
 COMMAND_OPTIONS = ["--param-ratio", "0.5", "--quiet"]  # the rest at their defaults
 RECOMMENDED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072"}
@@ -112,12 +114,13 @@ def run_case(case: list, tokens: int, calibration_device: str = "cpu") -> dict:
     )
 
 
-def command_cases(part: str, quick: bool) -> list:
-    """``(layers, hidden, ffn, heads, kv_heads, modes)`` of each checkpoint the command compresses."""
+def command_cases(part: str, quick: bool, depths=STREAMED_DEPTHS, modes=COMMAND_MODES) -> list:
+    """``(layers, hidden, ffn, heads, kv_heads, modes)`` of each checkpoint the command compresses
+    (``depths`` and ``modes``: the streamed part's)."""
     if quick:
-        return [(2, 64, 128, 4, 2, ("streamed", "in memory"))]
+        return [(2, 64, 128, 4, 2, COMMAND_MODES)]
     if part == "streamed":
-        return [(layers, 2048, 5632, 32, 4, ("streamed", "in memory")) for layers in (6, 12, 22)]
+        return [(layers, 2048, 5632, 32, 4, tuple(modes)) for layers in depths]
     return [(32, 4096, 11008, 32, 32, ("streamed",))]
 
 
@@ -176,7 +179,7 @@ def _run_command_part(part: str, args, environment: dict) -> None:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     environment = {**environment, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     rows = []
-    for case in command_cases(part, args.quick):
+    for case in command_cases(part, args.quick, args.depths, args.modes):
         trace = args.work_dir / f"trace_{part}.csv"
         rows += run_command_case(case, args.work_dir, environment, trace, args.calibration_device)
         df = pd.DataFrame(rows)
@@ -206,6 +209,10 @@ def main(argv=None) -> None:
     parser.add_argument("--part", choices=PARTS, nargs="+", default=["depth"])
     parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/out"))
     parser.add_argument("--quick", action="store_true", help="tiny sizes (for the tests)")
+    parser.add_argument("--depths", type=int, nargs="+", default=list(STREAMED_DEPTHS),
+                        help="the streamed part's TinyLlama depths")
+    parser.add_argument("--modes", nargs="+", choices=COMMAND_MODES, default=list(COMMAND_MODES),
+                        help="the streamed part's modes")
     parser.add_argument("--default-malloc", action="store_true", help="no MALLOC_MMAP_THRESHOLD_ in the cases")
     parser.add_argument("--calibration-device", default="cpu",
                         help="where the statistics and the block at work live, e.g. cuda (the model stays on the CPU)")

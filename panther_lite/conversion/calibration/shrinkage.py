@@ -247,9 +247,10 @@ def checks_strength(fan_out: int, fan_in: int) -> bool:
 
 
 def any_checked(records: Iterable[LayerRecord]) -> bool:
-    """Whether any of ``records`` (layers sharing one input's statistics) has its
-    ``shrinkage="auto"`` strength checked: only then are held-back statistics kept."""
-    return any(checks_strength(record.fan_out, record.fan_in) for record in records)
+    """Whether any weight matrix of ``records`` (layers sharing one input's statistics; a
+    mixture-of-experts record's parts) has its ``shrinkage="auto"`` strength checked: only
+    then are held-back statistics kept."""
+    return any(checks_strength(part.fan_out, part.fan_in) for record in records for part in record.parts)
 
 
 def layer_strength(
