@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ import panther_lite  # noqa: E402
 from panther_lite.conversion.pipelines import out_of_core  # noqa: E402
 from panther_lite.conversion.pipelines.skeleton_parts import SkeletonParts  # noqa: E402
 from panther_lite.conversion.saving.resume_state import RunState  # noqa: E402
+from panther_lite.nn import SKLinear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 40
@@ -315,7 +317,30 @@ def test_options_are_checked_before_anything_is_read_or_written(saved, tmp_path)
     with pytest.raises(TypeError, match="dtype must be None"):
         panther_lite.compress_checkpoint(saved["llama"], tmp_path / "out", calibration_data=_batches(),
                                          param_ratio=0.5, dtype="bfloat16")
+    with pytest.raises(TypeError, match="distill must be None or a callable"):
+        panther_lite.compress_checkpoint(saved["llama"], tmp_path / "out", calibration_data=_batches(),
+                                         param_ratio=0.5, distill={"max_steps": 2})
     assert os.listdir(tmp_path) == []
+
+
+def test_distill_loads_the_model_whole_and_gets_the_original_as_teacher(saved, tmp_path):
+    """``distill=`` runs on the converted model with an untouched copy of the original, before
+    the model is written; the checkpoint is loaded whole (it trains end to end), silently."""
+    seen = {}
+
+    def step(model, teacher, directory):
+        seen.update(sketched=any(isinstance(m, SKLinear) for m in model.modules()),
+                    teacher_dense=not any(isinstance(m, SKLinear) for m in teacher.modules()),
+                    staged=directory.name.startswith("."))
+        (directory / "step.txt").write_text("ran")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "loading whole" warning: the caller asked for it
+        report = panther_lite.compress_checkpoint(saved["llama"], tmp_path / "out", calibration_data=_batches(),
+                                                  param_ratio=0.5, distill=step, progress=False)
+    assert seen == dict(sketched=True, teacher_dense=True, staged=True)
+    assert "loaded whole: distill" in report.attrs["pipeline"]
+    assert (tmp_path / "out" / "step.txt").read_text() == "ran"
 
 
 @pytest.mark.cuda
