@@ -215,3 +215,23 @@ def test_unbatched_conv_inputs_calibrate_like_a_batch_of_one():
         reports.append(convert(model, num_terms=1, low_rank=1, calibration_data=[batch], progress=False))
     assert list(reports[0]["init"]) == ["calibrated"]
     assert reports[0]["output_error"].tolist() == pytest.approx(reports[1]["output_error"].tolist(), rel=1e-12)
+
+
+def test_grams_wider_than_2048_inputs_are_recorded_in_float32(monkeypatch):
+    """A Gram over 4M entries is accumulated in float32 (half the memory of float64) and still
+    equals the float64 ``XᵀX`` to float32 rounding; narrower ones stay float64."""
+    calibration = importlib.import_module("panther_lite.conversion.calibration.grams")
+    recorded = {}
+
+    class Recording(calibration.GramRecorder):
+        def finite_gram(self):
+            recorded[self.record.name] = self.gram.clone()
+            return super().finite_gram()
+
+    monkeypatch.setattr(calibration, "GramRecorder", Recording)
+    model = nn.Sequential(nn.Linear(2050, 8), nn.Linear(8, 4)).double()
+    x = torch.randn(2, 3, 2050, dtype=torch.float64)
+    convert(model, num_terms=1, low_rank=1, calibration_data=[x[:1], x[1:]], progress=False)
+    assert recorded["0"].dtype == torch.float32 and recorded["1"].dtype == torch.float64
+    rows = x.reshape(-1, 2050)
+    torch.testing.assert_close(recorded["0"].double(), rows.t() @ rows, rtol=1e-5, atol=1e-4)

@@ -24,6 +24,26 @@ def test_gram_eigh_path_equals_svd_path(monkeypatch, shape, with_gram):
     torch.testing.assert_close(fast.t() @ fast, torch.eye(12, dtype=torch.float64), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("method", ["exact", "randomized"])
+@pytest.mark.parametrize("shape", [(30, 70), (70, 30)])
+def test_fits_leave_the_gram_unchanged(method, shape):
+    """A Gram symmetric only up to rounding (as ``XᵀX`` accumulated batch by batch is) is read,
+    never symmetrised in place: the caller's tensor keeps its exact values."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    x = torch.randn(100, shape[1], generator=gen, dtype=torch.float64)
+    gram = x.t() @ x
+    gram[0, 1] += 1e-12 * gram[0, 1].abs()
+    before = gram.clone()
+    low_rank_fit.sketch_factors_from_weight(weight, 2, 4, gram, method=method)
+    assert torch.equal(gram, before)
+
+
+def test_gram_dtype_is_float64_up_to_4m_entries_and_float32_beyond():
+    assert low_rank_fit.gram_dtype(2048) == torch.float64
+    assert low_rank_fit.gram_dtype(2049) == torch.float32
+
+
 def test_rank_beyond_the_matrix_pads_with_zero_columns():
     weight = torch.randn(5, 8, dtype=torch.float64)
     basis = low_rank_fit.output_subspace(weight, 7)

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from panther_lite.nn import validation
 from panther_lite.nn.validation import (
     check_choice,
     check_finite,
@@ -93,6 +94,24 @@ def test_gram_checks_shape_values_symmetry_and_definiteness():
     gram[1, 1] = float("inf")
     with pytest.raises(ValueError, match="gram contains non-finite values"):
         check_gram(gram, 6)
+
+
+def test_gram_checks_span_blocks_and_leave_the_gram_unchanged(monkeypatch):
+    """The symmetry check runs a pair of blocks at a time and the definiteness check factorises
+    a copy in place: an asymmetry in an off-diagonal block is found, and the Gram is untouched."""
+    blockwise = validation._largest_asymmetry
+    monkeypatch.setattr(validation, "_largest_asymmetry", lambda matrix: blockwise(matrix, block=4))
+    x = torch.randn(40, 10, dtype=torch.float64)
+    gram = x.t() @ x
+    before = gram.clone()
+    check_gram(gram, 10)
+    assert torch.equal(gram, before)
+    skew = gram.clone()
+    skew[9, 2] += 1.0  # rows 8-9 against columns 0-3: a block off the diagonal
+    with pytest.raises(ValueError, match="gram is not symmetric"):
+        check_gram(skew, 10)
+    with pytest.raises(ValueError, match="not positive semi-definite"):
+        check_gram(gram - 2 * torch.eye(10, dtype=torch.float64) * gram.diagonal().max(), 10)
 
 
 @pytest.mark.parametrize("num_terms, low_rank", [(2**40, 2**40), (2**62, 1), (1, 2**62)])

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from ...nn.experts_shell import expert_activation
+from ...nn.low_rank_fit import gram_dtype
 from ...nn.validation import check_finite
 from ..planning.allocation import whitened_energy
 from .shrinkage import RowMoments, shrink, shrinkage_intensity
@@ -35,14 +36,14 @@ __all__ = ["ExpertsRecorder", "expert_energies"]
 class ExpertsRecorder:
     """Forward pre-hook (``with_kwargs=True``) of an experts module (called as
     ``experts(hidden_states, top_k_index, top_k_weights)``) accumulating, per projection,
-    ``grams[name]`` ``(E, fan_in, fan_in)`` float64 on ``device`` (None: the weights'), the
+    ``grams[name]`` ``(E, fan_in, fan_in)`` (``gram_dtype(fan_in)``) on ``device`` (None: the weights'), the
     ``moments`` of each expert's rows and ``expert_rows``, the rows each expert received."""
 
     def __init__(self, record, device: Optional[torch.device] = None) -> None:
         self.record = record
         device = record.device if device is None else device
         self.grams = {
-            part.projection: torch.zeros(part.copies, part.fan_in, part.fan_in, dtype=torch.float64, device=device)
+            part.projection: torch.zeros(part.copies, part.fan_in, part.fan_in, dtype=gram_dtype(part.fan_in), device=device)
             for part in record.parts
         }
         experts = record.parts[0].copies
@@ -55,7 +56,8 @@ class ExpertsRecorder:
     def _add(self, projection: str, expert: int, rows: Tensor) -> None:
         rows = rows.detach().to(torch.float64)
         gram = self.grams[projection][expert]
-        gram.add_((rows.t() @ rows).to(gram.device))
+        summed = rows.to(gram.dtype)
+        gram.add_((summed.t() @ summed).to(gram.device))
         self.moments[projection][expert].add(rows)
 
     def _real_tokens(self, hidden: Tensor) -> Optional[Tensor]:

@@ -1,5 +1,5 @@
 """Calibration statistics: run batches through the model and record each target layer's input
-Gram ``XᵀX`` (float64), the statistic the activation-aware fit whitens by, from the rows the
+Gram ``XᵀX`` (float64, or float32 beyond 2048 inputs: :func:`~panther_lite.nn.low_rank_fit.gram_dtype`), the statistic the activation-aware fit whitens by, from the rows the
 layer's kind reads (:meth:`~panther_lite.conversion.kinds.LayerKind.input_rows`).
 
 Layers whose inputs are the very same tensor (q/k/v projections of one hidden state) share
@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from ...nn.low_rank_fit import gram_dtype
 from ...nn.validation import all_finite, check_finite
 from ..kinds.base import layer_input
 from ..records import LayerRecord
@@ -28,7 +29,7 @@ from .tokens import layer_rows
 
 
 class GramRecorder:
-    """Forward pre-hook (``with_kwargs=True``) accumulating ``XᵀX`` (float64) of one layer's
+    """Forward pre-hook (``with_kwargs=True``) accumulating ``XᵀX`` (in ``gram_dtype(fan_in)``) of one layer's
     inputs in a ``(fan_in, fan_in)`` matrix on ``device`` (None: the layer's device), from its
     real tokens' rows (:mod:`.tokens`); with ``held_back``, also the statistics of every other
     cluster of rows that ``shrinkage="auto"`` checks its strength on (:class:`.shrinkage.HeldBack`)."""
@@ -36,7 +37,7 @@ class GramRecorder:
     def __init__(self, record: LayerRecord, device: Optional[torch.device] = None, held_back: bool = False) -> None:
         self.record = record
         device = record.device if device is None else device
-        self.gram = torch.zeros(record.fan_in, record.fan_in, dtype=torch.float64, device=device)
+        self.gram = torch.zeros(record.fan_in, record.fan_in, dtype=gram_dtype(record.fan_in), device=device)
         self.moments = RowMoments()  # beside the Gram, for its shrinkage
         self.held = HeldBack.empty(record.fan_in, device) if held_back else None
         self.unaligned = False  # a token mask was active that the layer's inputs did not line up with
@@ -49,10 +50,11 @@ class GramRecorder:
 
     def _add(self, rows: Tensor, rows_per_cluster: int, real: Optional[Tensor]) -> None:
         rows = rows.detach().to(torch.float64)
+        summed = rows.to(self.gram.dtype)
         if rows.device == self.gram.device:
-            self.gram.addmm_(rows.t(), rows)
+            self.gram.addmm_(summed.t(), summed)
         else:  # the product runs where the activations are; only its result is moved
-            self.gram.add_((rows.t() @ rows).to(self.gram.device))
+            self.gram.add_((summed.t() @ summed).to(self.gram.device))
         self.moments.add(rows, rows_per_cluster, real)
         if self.held is not None:
             self.held.add(rows, rows_per_cluster, real)

@@ -54,7 +54,7 @@ from typing import Dict, Iterable, Optional, Union
 import torch
 from torch import Tensor
 
-from ...nn.low_rank_fit import decomposition_dtype
+from ...nn.low_rank_fit import decomposition_dtype, row_slices
 from ..records import LayerRecord
 from .tokens import UNALIGNED_NOTE
 
@@ -148,8 +148,8 @@ def shrinkage_intensity(gram: Tensor, moments: RowMoments) -> float:
     if moments.rows == 0 or moments.cluster_off_diagonal is None:
         return 0.0
     n = float(moments.rows)
-    gram = gram.double()
-    off_diagonal = float(gram.square().sum() - gram.diagonal().square().sum()) / n**2  # Σ_{j≠k} S_jk²
+    squares = sum(float(gram[rows].double().square().sum()) for rows in row_slices(*gram.shape))
+    off_diagonal = (squares - float(gram.diagonal().double().square().sum())) / n**2  # Σ_{j≠k} S_jk²
     if off_diagonal <= 0:
         return 0.0
     variance = (float(moments.cluster_off_diagonal) - moments.cluster_rows_squared * off_diagonal) / n**2
