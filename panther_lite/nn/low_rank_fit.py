@@ -168,10 +168,27 @@ def _wide_whitened_left_singular_vectors(weight: Tensor, gram: Tensor, damping: 
     """Left singular vectors of ``W C`` (``C Cᵀ = G + ridge·I``) for ``W`` with out ≤ fan_in:
     the eigenvectors of ``W (G + ridge·I) Wᵀ`` (out × out), by decreasing eigenvalue. No
     square root of ``G`` (an eigendecomposition on the wider fan_in side) is needed; the
-    squared condition number costs what :func:`_left_singular_vectors` states."""
+    squared condition number costs nothing in float64, in which the product is summed
+    (:func:`_whitened_square`) whatever the weight's dtype."""
     ridge = float(damping * gram.diagonal().mean().clamp_min(torch.finfo(gram.dtype).tiny))
-    square = torch.addmm(weight @ weight.t(), weight @ gram, weight.t(), beta=ridge)
-    return torch.linalg.eigh(square)[1].flip(1)
+    return torch.linalg.eigh(_whitened_square(weight, gram, ridge))[1].flip(1).to(weight.dtype)
+
+
+def _whitened_square(weight: Tensor, gram: Tensor, ridge: float, block: int = 1024) -> Tensor:
+    """``W (G + ridge·I) Wᵀ`` (out × out, float64) summed a ``block × block`` tile of ``G`` at a
+    time: no float64 copy of ``W`` or ``G``. Summed in float32, the rounding of the products
+    (~1e-7 of the largest) swamps the directions whose whitened singular values are below
+    ~3e-4·σ₁ (activation outliers make many such), which a fit of float32 weights keeps."""
+    out, fan_in = weight.shape
+    square = torch.zeros(out, out, dtype=torch.float64, device=weight.device)
+    for start in range(0, fan_in, block):
+        columns = weight[:, start : start + block].double()
+        product = ridge * columns  # becomes the column block W (G + ridge·I)[:, block]
+        for inner in range(0, fan_in, block):
+            tile = gram[inner : inner + block, start : start + block].double()
+            product.addmm_(weight[:, inner : inner + block].double(), tile)
+        square.addmm_(product, columns.t())
+    return square
 
 
 def _tall_left_singular_vectors(weight: Tensor, root: Optional[Tensor], columns: int) -> Tensor:
