@@ -29,9 +29,10 @@ def calls(count=8, rows=64, seed=1, shift=0.0):
 
 
 def converted_block(dense, calibration):
-    """``dense`` converted at 30% stored on a calibration set unlike the data it is refined on."""
+    """``dense`` converted at 30% stored on a calibration set unlike the data it is refined on,
+    unshrunk (``shrinkage=0``: these tests measure refinement, not the shrinkage default)."""
     block = copy.deepcopy(dense)
-    panther_lite.convert(block, param_ratio=0.3, calibration_data=calibration, progress=False)
+    panther_lite.convert(block, param_ratio=0.3, calibration_data=calibration, shrinkage=0, progress=False)
     assert all(isinstance(block[i], SKLinear) for i in (0, 2))
     return block
 
