@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_compression import NATURAL_SENTENCES, _docstring_sentences, _load_minilm, _mean_cosine  # noqa: E402
-from bench_svd_llm import CALIBRATION, _batches, _ours, _svd_llm  # noqa: E402
-from panther_lite.benchmark import device_name, new_figure, save_figure  # noqa: E402
+from bench_svd_llm import CALIBRATION, _batches, _ours, _svd_llm, plot  # noqa: E402
+from panther_lite.benchmark import device_name  # noqa: E402
 from panther_lite.conversion.calibration import shrinkage  # noqa: E402
 
 VALIDATION_SENTENCES = Path(__file__).resolve().parent / "data" / "validation_sentences.txt"
@@ -79,25 +79,13 @@ def shrinkage_rows(validation: Validation) -> list:
                 converted, report = _ours(validation.model, batches, ratio, {})
             finally:
                 shrinkage.AUTO_FRACTION = default
-            rows.append(validation.row(converted, param_ratio=ratio, method=f"uniform, auto × {fraction:g}"))
+            rows.append(validation.row(converted, version="validation text", param_ratio=ratio,
+                                       method=f"uniform, auto × {fraction:g}"))
         done = report[report["status"] == "converted"]
         ranks = {name: 2 * int(t) * int(k) for name, t, k in zip(done["name"], done["num_terms"], done["low_rank"])}
-        rows.append(validation.row(_svd_llm(validation.model, batches, ranks), param_ratio=ratio, method="SVD-LLM"))
+        rows.append(validation.row(_svd_llm(validation.model, batches, ranks), version="validation text", param_ratio=ratio,
+                                   method="SVD-LLM"))
     return rows
-
-
-def _plot(frame: pd.DataFrame, label: pd.Series, title: str, path: Path) -> None:
-    fig = new_figure(figsize=(11, 0.4 * len(frame) + 1.5))
-    axes = fig.subplots(1, 2, sharey=True)
-    for ax, column in zip(axes, ("in_domain", "out_of_domain")):
-        ax.barh(range(len(frame)), frame[column], color="tab:blue")
-        for y, value in enumerate(frame[column]):
-            ax.text(value, y, f" {value:.4f}", va="center", fontsize=7)
-        ax.set_xlim(max(0.0, frame[column].min() - 0.03), min(1.0, frame[column].max() + 0.02))
-        ax.set_xlabel(f"mean embedding cosine, validation {column.replace('_', ' ')}")
-    axes[0].set_yticks(range(len(frame)), label, fontsize=7)
-    fig.suptitle(f"{title} — {frame['machine'].iloc[0]}", fontsize=9)
-    save_figure(fig, path)
 
 
 def main(argv=None) -> None:
@@ -109,8 +97,7 @@ def main(argv=None) -> None:
     frame.insert(0, "machine", device_name("cpu"))
     frame.to_csv(args.output_dir / "validation_shrinkage.csv", index=False)
     print(frame.drop(columns="machine").to_string(index=False), flush=True)
-    label = "R=" + frame["param_ratio"].map("{:.1f}".format) + ", " + frame["method"]
-    _plot(frame, label, "shrinkage='auto' share, all-MiniLM-L6-v2 uniform", args.output_dir / "validation_shrinkage.png")
+    plot(frame, args.output_dir / "validation_shrinkage.png")
 
 
 if __name__ == "__main__":

@@ -254,17 +254,23 @@ def test_auto_checks_only_layers_up_to_the_side_limit_and_says_so(monkeypatch, s
     assert fixed.loc[0, "shrinkage"] == 0.3 and "shrinkage='auto'" not in fixed.loc[0, "reason"]
 
 
-def test_auto_can_stop_at_a_quarter_of_the_ledoit_wolf_strength():
-    """A layer whose held-back error is least at ¼·α (below ½·α, the smallest multiple once tried)
-    gets ¼·α: on MiniLM the last attention output (α ≈ 0.65) was shrunk by ½·α = 0.32, past where
-    its held-back gain flattened, and that one layer cost the embedding 0.003 in domain."""
+def _chosen_on_a_small_layer():
+    """``choose_strength`` for a rank-2 fit of an 8 × 16 layer seeing 8 sequences of 4 rows
+    (rank-3 inputs plus noise), and those rows."""
     x = low_rank_plus_noise(196, 8, 4, 16, 3, 0.1)
     rows = x.reshape(-1, 16)
     moments, held = RowMoments(), HeldBack.empty(16, None)
     moments.add(rows, 4)
     held.add(rows, 4)
     weight = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(197))
-    chosen = choose_strength(weight, 2, rows.t() @ rows, moments, held)
+    return rows, choose_strength(weight, 2, rows.t() @ rows, moments, held)
+
+
+def test_auto_can_stop_at_a_quarter_of_the_ledoit_wolf_strength():
+    """A layer whose held-back error is least at ¼·α (below ½·α, the smallest multiple once tried)
+    gets ¼·α: on MiniLM the last attention output (α ≈ 0.65) was shrunk by ½·α = 0.32, past where
+    its held-back gain flattened, and that one layer cost the embedding 0.003 in domain."""
+    rows, chosen = _chosen_on_a_small_layer()
     errors = chosen.held_errors
     assert 0.25 in MULTIPLES and min(MULTIPLES + (0.0,), key=errors.get) == 0.25
     assert errors[0.25] < 0.99 * errors[0.5] and errors[0.25] < 0.96 * errors[0.0]
@@ -291,13 +297,7 @@ def test_auto_uses_a_share_of_the_best_multiple_only_when_it_beats_none_on_held_
     AUTO_FRACTION of it, measured there too, and no shrinkage when that share is worse than none."""
     curve = {0.0: 1.0, 0.25: 0.6, 0.5: 0.4, 1.0: 0.5, 2.0: 0.9, round(AUTO_FRACTION * 0.5, 6): share_error}
     _designed_errors(monkeypatch, curve)
-    x = low_rank_plus_noise(196, 8, 4, 16, 3, 0.1)
-    rows = x.reshape(-1, 16)
-    moments, held = RowMoments(), HeldBack.empty(16, None)
-    moments.add(rows, 4)
-    held.add(rows, 4)
-    weight = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(197))
-    chosen = choose_strength(weight, 2, rows.t() @ rows, moments, held)
+    rows, chosen = _chosen_on_a_small_layer()
     assert 0 < AUTO_FRACTION < 1 and chosen.multiple == expected
     assert chosen.value == pytest.approx(expected * clustered_intensity(rows, 4), rel=1e-12)
     assert set(chosen.held_errors) == {0.0, *MULTIPLES, AUTO_FRACTION * 0.5}
