@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import panther_lite
 from panther_lite.conversion.distilling.distillation import DistillationResult, trained_parameters
+from panther_lite.conversion.distilling.run import Run, warmup_steps
 from panther_lite.conversion.distilling.objective import relative_squared_error, softened_kl
 from panther_lite.nn import SKConv2d, SKLinear
 
@@ -559,3 +560,26 @@ def test_the_teacher_runs_in_eval_mode_without_dropout():
     result = panther_lite.distill(model, teacher, batches, max_steps=1, progress=False)
     assert result.loss_before == pytest.approx(expected, rel=1e-6)
     assert teacher.training and model.training
+
+
+def test_patience_counts_only_evaluations_after_the_warm_up():
+    run = Run(best_loss=1.0, warmup=20)
+    best, parameters = [torch.zeros(1)], [torch.ones(1)]
+    for step in range(5, 21, 5):  # worse at every evaluation inside the warm-up: no stop
+        run.steps = step
+        run.train_losses.append(1.0)
+        assert run.evaluated(2.0, parameters, best, patience=2)
+    for step, keeps_going in ((25, True), (30, False)):
+        run.steps = step
+        run.train_losses.append(1.0)
+        assert run.evaluated(2.0, parameters, best, patience=2) is keeps_going
+    assert run.stop_reason == "patience" and run.best_step == 0 and float(best[0]) == 0.0
+
+
+def test_a_run_without_gain_goes_on_to_the_end_of_the_warm_up():
+    teacher = dense_mlp()
+    model = student_of(teacher)
+    result = panther_lite.distill(model, teacher, inputs(8), lr=1.0, max_steps=400, eval_every=1, patience=2,
+                                  progress=False)
+    assert result.best_step == 0 and result.stop_reason == "patience"
+    assert result.steps == warmup_steps(400) + 2

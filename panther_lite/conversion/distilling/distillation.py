@@ -34,7 +34,7 @@ from ..fitting.block_refinement import only_these_train
 from ..fitting.master_weights import HALF_DTYPES, in_float32
 from ..fitting.refinement import best_kept
 from .objective import Objective, check_loss, check_outputs, check_temperature
-from .run import SCHEDULES, RandomTokens, Run, Session, Settings, data_batches, optimise
+from .run import SCHEDULES, RandomTokens, Run, Session, Settings, data_batches, optimise, warmup_steps
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -205,7 +205,8 @@ def distill(
         schedule: after the warm-up, ``"cosine"`` decays the rate to 0 at ``max_steps``;
             ``"constant"`` keeps it.
         holdout: fraction in (0, 1) of the batches held back (at least one, at most all but one).
-        patience: stop after this many evaluations without a better held-back loss.
+        patience: stop after this many evaluations without a better held-back loss, counted
+            from the end of the warm-up.
         eval_every: steps between evaluations (None: one pass over the training batches).
         seed: the order of the training batches and the random tokens.
         progress: a tqdm bar over the steps (None: on a terminal only).
@@ -246,7 +247,7 @@ def distill(
             loss_before = session.held_loss()
         if loss_before == math.inf:
             raise ValueError("distill: the held-back loss before training is not finite; check data and the teacher's outputs")
-        run = Run(best_loss=loss_before, history=[(0, math.nan, loss_before)])
+        run = Run(loss_before, warmup=warmup_steps(settings.max_steps), history=[(0, math.nan, loss_before)])
         optimise(session, parameters, best, run, settings, progress)
     return DistillationResult(
         loss_before=loss_before,

@@ -19,7 +19,7 @@ from ..fitting.master_weights import widened
 from ..fitting.refinement import held_back_indices
 from ..rules import progress_bar
 
-__all__ = ["SCHEDULES", "RandomTokens", "Run", "Session", "Settings", "data_batches", "optimise"]
+__all__ = ["SCHEDULES", "RandomTokens", "Run", "Session", "Settings", "data_batches", "optimise", "warmup_steps"]
 
 SCHEDULES = ("cosine", "constant")
 
@@ -121,11 +121,16 @@ class Session:
                 yield self.train[position]
 
 
+def warmup_steps(max_steps: int) -> int:
+    """The steps of the linear warm-up: the first 5% of ``max_steps``, at least one (Adam's
+    first steps are about ``lr`` on every entry whatever the gradient)."""
+    return max(1, max_steps // 20)
+
+
 def _lr_factor(schedule: str, max_steps: int) -> Callable[[int], float]:
-    """The learning rate of step ``i`` (0-based) over ``lr``: a linear warm-up over the first
-    5% of ``max_steps`` (Adam's first steps are about ``lr`` on every entry whatever the
-    gradient), then constant or a cosine decay to 0 at ``max_steps``."""
-    warmup = max(1, max_steps // 20)
+    """The learning rate of step ``i`` (0-based) over ``lr``: a linear warm-up over
+    :func:`warmup_steps`, then constant or a cosine decay to 0 at ``max_steps``."""
+    warmup = warmup_steps(max_steps)
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -140,9 +145,11 @@ def _lr_factor(schedule: str, max_steps: int) -> Callable[[int], float]:
 @dataclass
 class Run:
     """The state of the loop: the best held-back loss so far, where it was found, and the
-    training losses since the last evaluation."""
+    training losses since the last evaluation. Evaluations within the first ``warmup`` steps
+    do not count towards ``patience``: the rate has not reached its peak yet."""
 
     best_loss: float
+    warmup: int = 0
     steps: int = 0
     best_step: int = 0
     stop_reason: str = "max_steps"
@@ -164,6 +171,8 @@ class Run:
             with torch.no_grad():
                 for keep, parameter in zip(best, parameters):
                     keep.copy_(parameter)
+            return True
+        if self.steps <= self.warmup:
             return True
         self.since_best += 1
         if self.since_best >= patience:
