@@ -147,8 +147,7 @@ def minilm_rows(quick: bool, calibration_sources=("natural",), recipes=RECIPES, 
 
         rows.append(measured(False))
         result = panther_lite.distill(converted[0].auto_model, model[0].auto_model, text, tokenizer=tokenizer,
-                                      random_tokens=random_tokens, random_token_length=RANDOM_TOKEN_LENGTH,
-                                      progress=False, **_QUICK_STEPS[quick])
+                                      random_tokens=random_tokens, progress=False, **_QUICK_STEPS[quick])
         rows.append(_distilled(measured(True), result))
         print(rows[-2], rows[-1], sep="\n", flush=True)
     return rows

@@ -157,7 +157,7 @@ def _row(label, ratio, method, converted, evaluation, references, seconds, **ext
     return row
 
 
-def plot(frame: pd.DataFrame, path: Path) -> None:
+def plot(frame: pd.DataFrame, path: Path, title: str = "uniform ranks vs SVD-LLM") -> None:
     fig = new_figure(figsize=(13, 0.45 * len(frame) + 1.5))
     axes = fig.subplots(1, 2, sharey=True)
     labels = frame["version"] + ": R=" + frame["param_ratio"].map("{:.1f}".format) + ", " + frame["method"]
@@ -168,7 +168,7 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
         ax.set_xlim(max(0.0, frame[column].min() - 0.05), min(1.0, frame[column].max() + 0.04))
         ax.set_xlabel(f"mean embedding cosine, {column.replace('_', ' ')}")
     axes[0].set_yticks(range(len(frame)), labels, fontsize=7)
-    fig.suptitle(f"all-MiniLM-L6-v2, 36 linear layers, uniform ranks vs SVD-LLM — {frame['machine'].iloc[0]}", fontsize=9)
+    fig.suptitle(f"all-MiniLM-L6-v2, 36 linear layers, {title} — {frame['machine'].iloc[0]}", fontsize=9)
     save_figure(fig, path)
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import panther_lite
-from panther_lite.conversion.distilling.distillation import DistillationResult, trained_parameters
+from panther_lite.conversion.distilling.distillation import RANDOM_TOKEN_LENGTH, DistillationResult, trained_parameters
 from panther_lite.conversion.distilling.run import Run, warmup_steps
 from panther_lite.conversion.distilling.objective import relative_squared_error, softened_kl
 from panther_lite.nn import SKConv2d, SKLinear
@@ -523,13 +523,14 @@ def test_random_token_batches_are_added_with_the_tokenizer():
     assert (result.train_batches, result.held_batches, result.steps) == (3, 1, 9)
     random_rows = [ids for ids in seen if ids.shape[0] == 32]
     held = random_rows[0]  # the first evaluation, before training
-    assert torch.equal(held, panther_lite.random_token_batches(tokenizer, 64)[1]["input_ids"])
+    length = RANDOM_TOKEN_LENGTH  # distill's default, not random_token_batches'
+    assert torch.equal(held, panther_lite.random_token_batches(tokenizer, 64, length)[1]["input_ids"])
     trained = [ids for ids in random_rows if not torch.equal(ids, held)]
     assert len(random_rows) - len(trained) == 4  # the held-back batch at each of the 4 evaluations
     assert len(trained) == 3  # one random training batch per pass of 3 steps, a fresh draw each pass
     assert all(not torch.equal(a, b) for i, a in enumerate(trained) for b in trained[:i])
-    assert torch.equal(trained[0], panther_lite.random_token_batches(tokenizer, 64)[0]["input_ids"])
-    assert torch.equal(trained[1], panther_lite.random_token_batches(tokenizer, 64, seed=1)[0]["input_ids"])
+    assert torch.equal(trained[0], panther_lite.random_token_batches(tokenizer, 64, length)[0]["input_ids"])
+    assert torch.equal(trained[1], panther_lite.random_token_batches(tokenizer, 64, length, seed=1)[0]["input_ids"])
 
 
 def test_bench_distill_quick_digits_writes_its_csv_and_plot(tmp_path, repo_root):
