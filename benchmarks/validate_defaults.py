@@ -37,7 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import panther_lite  # noqa: E402
-from bench_compression import NATURAL_SENTENCES, _docstring_sentences, _load_minilm, _mean_cosine, _text_sources  # noqa: E402
+from bench_compression import (  # noqa: E402
+    NATURAL_SENTENCES, _docstring_sentences, _load_minilm, _mean_cosine, _text_sources,
+)
 from bench_distill import RANDOM_TOKENS, TARGET_RECIPE, _converted, _tokenized  # noqa: E402
 from bench_svd_llm import CALIBRATION, _batches, _ours, _svd_llm, plot  # noqa: E402
 from panther_lite.benchmark import device_name  # noqa: E402
