@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import math
 import sys
 import time
 from pathlib import Path
@@ -156,7 +157,8 @@ def minilm_rows(quick: bool, calibration_sources=("natural",), recipes=RECIPES, 
 def _with_targets(frame: pd.DataFrame) -> pd.DataFrame:
     """MiniLM rows with the issue's target for each cosine (where it set one) and whether it is met."""
     for column in ("in_domain", "out_of_domain"):
-        target = frame["ratio"].map(lambda ratio: TARGETS.get((ratio, column))).where(frame["recipe"] == TARGET_RECIPE)
+        target = frame["ratio"].map(lambda ratio: TARGETS.get((ratio, column), math.nan))
+        target = target.where(frame["recipe"] == TARGET_RECIPE)
         frame[f"{column}_target"] = target
         frame[f"{column}_met"] = (frame[column] >= target).where(target.notna())
     return frame

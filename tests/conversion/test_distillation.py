@@ -547,6 +547,17 @@ def test_bench_distill_quick_digits_writes_its_csv_and_plot(tmp_path, repo_root)
     assert (tmp_path / "distill.png").stat().st_size > 1000
 
 
+def test_bench_distill_marks_the_targets_of_a_ratio_without_an_out_of_domain_one(repo_root):
+    spec = importlib.util.spec_from_file_location("bench_distill", repo_root / "benchmarks" / "bench_distill.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    frame = pd.DataFrame(dict(ratio=[0.3, 0.3], recipe=[bench.TARGET_RECIPE, "uniform"], in_domain=[0.85, 0.9],
+                              out_of_domain=[0.6, 0.6]))
+    marked = bench._with_targets(frame)
+    assert marked["in_domain_target"].tolist()[0] == 0.8 and marked["in_domain_met"].tolist()[0]
+    assert marked[["in_domain_met", "out_of_domain_target", "out_of_domain_met"]].isna().sum().tolist() == [1, 2, 2]
+
+
 def test_the_teacher_runs_in_eval_mode_without_dropout():
     teacher = dense_mlp()
     model = student_of(teacher)
