@@ -187,7 +187,7 @@ def _plot(frames: dict, path: Path) -> None:
                         ax.plot([target, target], [r + offset - 0.2, r + offset + 0.2], color="black", lw=1.5)
             ax.set_yticks(list(rows), labels, fontsize=8)
             ax.set_xlim(max(0.0, min(df["in_domain"].min(), df["out_of_domain"].min()) - 0.05), 1)
-            ax.set_xlabel("mean cosine to the original embedding (held-out sentences; black: target)")
+            ax.set_xlabel("mean cosine to the original embedding, held-out sentences (black: target)", fontsize=8)
             ax.set_title("all-MiniLM-L6-v2, 36 linear layers")
             ax.legend(fontsize=8, loc="lower right")
     machine = next(iter(frames.values()))["machine"].iloc[0]
