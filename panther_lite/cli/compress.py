@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from ..conversion import ConvertConfig, random_token_batches
 from ..conversion.config import ALLOCATIONS, device_problem
+from ..conversion.distilling.distillation import RANDOM_TOKEN_LENGTH as DISTILL_RANDOM_TOKEN_LENGTH
 from ..conversion.kinds import kind_of
 from ..conversion.saving.checkpoint_files import CheckpointFiles
 from ..conversion.saving.compress import REFINEMENT_CSV, REPORT_CSV, REPORT_PNG, compress_checkpoint
@@ -109,7 +110,9 @@ def add_compress_command(subparsers) -> None:
     data.add_argument("--batch-size", type=positive_int, default=8, help="samples per batch (default 8)")
     data.add_argument("--random-tokens", type=positive_int, metavar="N",
                       help=f"append N sequences of {RANDOM_TOKEN_LENGTH} random vocabulary tokens: a data-free prior "
-                           "over the vocabulary that keeps quality on text unlike the calibration file (256 is plenty)")
+                           "over the vocabulary that keeps quality on text unlike the calibration file (256 is plenty); "
+                           f"with --distill, the distillation adds N of its own ({DISTILL_RANDOM_TOKEN_LENGTH} tokens each, "
+                           "drawn afresh every pass)")
     data.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                       help="dtype the model is loaded and converted in (default: the checkpoint's)")
     sizes = command.add_argument_group("sizes and allocation (panther_lite.convert's arguments)")

@@ -56,7 +56,7 @@ def distiller(args: argparse.Namespace, batches: List[dict], tokenizer, say) -> 
 def run_distill(model: nn.Module, teacher: nn.Module, batches: List[dict], tokenizer, args: argparse.Namespace,
                 staging: Path, say) -> DistillationResult:
     """``distill(model, teacher, batches)`` with the options (``--random-tokens N``: N random-token
-    sequences drawn afresh for each pass, as convert's), the key/value caches off; writes its
+    sequences of ``distill``'s length, drawn afresh for each pass), the key/value caches off; writes its
     history (``step, train_loss, held_loss``) to ``staging/distillation.csv``."""
     random = {"tokenizer": tokenizer, "random_tokens": args.random_tokens} if args.random_tokens else {}
     with without_kv_cache(model), without_kv_cache(teacher):
