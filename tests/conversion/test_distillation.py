@@ -6,7 +6,6 @@ counts only real tokens, and refuses bad settings with the model unchanged."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import pandas as pd
 import pytest
@@ -531,31 +530,6 @@ def test_random_token_batches_are_added_with_the_tokenizer():
     assert all(not torch.equal(a, b) for i, a in enumerate(trained) for b in trained[:i])
     assert torch.equal(trained[0], panther_lite.random_token_batches(tokenizer, 64, length)[0]["input_ids"])
     assert torch.equal(trained[1], panther_lite.random_token_batches(tokenizer, 64, length, seed=1)[0]["input_ids"])
-
-
-def test_bench_distill_quick_digits_writes_its_csv_and_plot(tmp_path, repo_root):
-    pytest.importorskip("sklearn")
-    pytest.importorskip("matplotlib")
-    spec = importlib.util.spec_from_file_location("bench_distill", repo_root / "benchmarks" / "bench_distill.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    bench.main(["--only", "digits", "--quick", "--output-dir", str(tmp_path)])
-    frame = pd.read_csv(tmp_path / "distill_digits.csv")
-    assert frame["method"].tolist() == ["dense"] + ["global", "global+distill"] * len(bench.DIGITS_BUDGETS)
-    distilled = frame[frame["method"] == "global+distill"]
-    assert (distilled["loss_after"] <= distilled["loss_before"]).all() and (distilled["steps"] == 10).all()
-    assert (tmp_path / "distill.png").stat().st_size > 1000
-
-
-def test_bench_distill_marks_the_targets_of_a_ratio_without_an_out_of_domain_one(repo_root):
-    spec = importlib.util.spec_from_file_location("bench_distill", repo_root / "benchmarks" / "bench_distill.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    frame = pd.DataFrame(dict(ratio=[0.3, 0.3], recipe=[bench.TARGET_RECIPE, "uniform"], in_domain=[0.85, 0.9],
-                              out_of_domain=[0.6, 0.6]))
-    marked = bench._with_targets(frame)
-    assert marked["in_domain_target"].tolist()[0] == 0.8 and marked["in_domain_met"].tolist()[0]
-    assert marked[["in_domain_met", "out_of_domain_target", "out_of_domain_met"]].isna().sum().tolist() == [1, 2, 2]
 
 
 def test_the_teacher_runs_in_eval_mode_without_dropout():
