@@ -23,6 +23,7 @@ from .conversion import (
     save_pretrained,
     tune,
 )
+from .evaluation import Perplexity, perplexity
 from .nn import SKConv1d, SKConv2d, SKConv3d, SKExperts, SKLinear
 
 __version__ = "0.2.0"
@@ -46,6 +47,8 @@ __all__ = [
     "save_pretrained",
     "from_pretrained",
     "compress_checkpoint",
+    "perplexity",
+    "Perplexity",
     "ConversionError",
     "conversion_summary",
     "conversion_config",

@@ -29,6 +29,7 @@ from ..nn.low_rank_fit import FIT_METHODS
 from .arguments import DTYPES, positive_float, positive_int
 from .checkpoint import CommandError, calibration_batches, check_model_dir, load_tokenizer, read_samples
 from .distilling import add_distill_options, check_distill_options, distiller
+from .evaluation import Evaluation, add_evaluation_options
 
 __all__ = ["add_compress_command", "run_compress", "REPORT_CSV", "REPORT_PNG", "REFINEMENT_CSV"]
 
@@ -137,6 +138,7 @@ def add_compress_command(subparsers) -> None:
     refine.add_argument("--refine-steps", type=positive_int, help="most Adam steps per block (default 100)")
     refine.add_argument("--refine-lr", type=positive_float, help="Adam's learning rate (default 1e-3)")
     add_distill_options(command)
+    add_evaluation_options(command)
     _add_selection_options(command)
     command.set_defaults(run=run_compress)
 
@@ -254,6 +256,17 @@ def _calibration(args: argparse.Namespace, tokenizer, files: CheckpointFiles, sa
     return text, batches
 
 
+def _evaluate_output(evaluation: Evaluation, args: argparse.Namespace, report) -> None:
+    """``--eval``: the compressed output's perplexity (streamed from OUT_DIR), written beside it and printed."""
+    from ..conversion.saving.report_plot import plot_conversion_report
+
+    with quiet_optional_imports(), _warnings_on_one_line():
+        evaluation.measure("compressed", args.output, args.quiet)
+    evaluation.write(args.output, report, plot_conversion_report)
+    if evaluation.summary():
+        print(evaluation.summary(), flush=True)
+
+
 def run_compress(args: argparse.Namespace) -> int:
     """Run the command; returns the exit status. Bad input raises
     :class:`~panther_lite.cli.checkpoint.CommandError` (or the library's ValueError / TypeError /
@@ -266,10 +279,12 @@ def run_compress(args: argparse.Namespace) -> int:
     read_samples(args.calibration, args.max_samples)  # a bad calibration file fails before any model is read
     config = convert_config(args)
     check_distill_options(args)
+    evaluation = Evaluation(args, say)
     with _transformers_bars(shown=not args.quiet), quiet_optional_imports(), _warnings_on_one_line():
         tokenizer = load_tokenizer(args.model_dir)
         files = CheckpointFiles(args.model_dir)
         text, batches = _calibration(args, tokenizer, files, say)
+        evaluation.measure("original", args.model_dir, args.quiet)
         kept = staging_path(args.output)
         earlier = kept.is_dir() and not args.resume  # refused: the error says why
         try:
@@ -286,6 +301,7 @@ def run_compress(args: argparse.Namespace) -> int:
     say(f"converted in {time.perf_counter() - started:.1f} s ({report.attrs['pipeline']})")
     _say_refinement(report, say)
     print(report.attrs["summary"], flush=True)
+    _evaluate_output(evaluation, args, report)
     say(f"wrote {args.output} in {time.perf_counter() - started:.1f} s; load it with "
         f"panther_lite.from_pretrained({files.auto_class.__name__}, {str(args.output)!r})")
     return 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -62,17 +62,30 @@ def _count_inside(path: str, records: Sequence[LayerRecord]) -> int:
     return sum(record.to_convert and record.name.startswith(path + ".") for record in records)
 
 
-def _auto_blocks(model: nn.Module, records: Sequence[LayerRecord]) -> Tuple[Optional[BlockList], str]:
-    best: Optional[BlockList] = None
+def _block_lists(model: nn.Module) -> Iterator[BlockList]:
+    """Every list of two or more same-class blocks in the model (:func:`_repeated_children`)."""
     for path, module in model.named_modules():
         children = _repeated_children(module)
-        if children is None or not path or not _count_inside(path, records):
-            continue
-        if best is None or len(children) > len(best.blocks):
-            best = BlockList(path, children)
+        if children is not None and path:
+            yield BlockList(path, children)
+
+
+def _longest(block_lists: Iterable[BlockList]) -> Optional[BlockList]:
+    """The first of the longest block lists, None when there is none."""
+    return max(block_lists, key=lambda found: len(found.blocks), default=None)
+
+
+def _auto_blocks(model: nn.Module, records: Sequence[LayerRecord]) -> Tuple[Optional[BlockList], str]:
+    best = _longest(found for found in _block_lists(model) if _count_inside(found.path, records))
     if best is None:
         return None, "no list of two or more same-class blocks holds a layer to convert"
     return best, f"{len(best.blocks)} blocks at {best.path}"
+
+
+def repeated_block_list(model: nn.Module) -> Optional[BlockList]:
+    """The model's longest list of two or more same-class blocks, whatever layers they hold
+    (None when it has none)."""
+    return _longest(_block_lists(model))
 
 
 def _named_blocks(model: nn.Module, path: str, records: Sequence[LayerRecord]) -> BlockList:
