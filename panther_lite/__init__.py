@@ -24,8 +24,7 @@ from .conversion import (
     tune,
 )
 from .nn import SKConv1d, SKConv2d, SKConv3d, SKExperts, SKLinear
-
-__version__ = "0.2.0"
+from .version import __version__
 
 __all__ = [
     "SKLinear",

@@ -1,5 +1,6 @@
 """Calibration data: its accepted forms (an iterable of batches or a callable ``fn(model)``),
-checked once; running one batch through a model; and the eval, no-grad run every stage uses."""
+checked once; running one batch through a model; the eval, no-grad run every stage uses; and
+the input a layer's call receives."""
 from __future__ import annotations
 
 import contextlib
@@ -11,9 +12,15 @@ from torch import Tensor
 
 from .tokens import MaskedCall, batch_token_mask, token_mask
 
-__all__ = ["CalibrationData", "ModelRun", "run_batch", "run_batch_or_callable", "evaluation_run"]
+__all__ = ["CalibrationData", "ModelRun", "run_batch", "run_batch_or_callable", "evaluation_run", "layer_input"]
 
 ModelRun = Callable[[nn.Module], object]
+
+
+def layer_input(args: tuple, kwargs: dict) -> Tensor:
+    """The input of a call to a stock linear/convolution forward (a forward pre-hook's
+    ``args``/``kwargs``): the positional argument or the ``input=`` keyword."""
+    return args[0] if args else kwargs["input"]
 
 
 def run_batch(model: nn.Module, batch, index: Optional[int] = None) -> object:

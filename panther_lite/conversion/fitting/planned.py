@@ -70,7 +70,7 @@ def fit_all(
     for index, record in enumerate(progress_bar(todo, "converting", "layer", progress)):
         recorder = None if calibration is None else calibration.recorders.get(record.name)
         seed = layer_seed(config.seed, first_index + index)
-        fits[record.name] = record.kind.fit(record, recorder, config.init, seed, config.fit, config.shrinkage)
+        fits[record.name] = record.strategy.fit(record, recorder, config.init, seed, config.fit, config.shrinkage)
         if calibration is not None:
             calibration.release(record.name)
     return fits
@@ -103,5 +103,5 @@ def fit_planned(
     for record in unreached:
         warn_uncalibrated(record)
         seed = layer_seed(config.seed, first_index + todo.index(record))
-        fits[record.name] = record.kind.fit(record, None, "svd", seed, config.fit)
+        fits[record.name] = record.strategy.fit(record, None, "svd", seed, config.fit)
     return fits

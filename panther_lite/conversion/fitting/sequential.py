@@ -252,7 +252,7 @@ def _fit_on_current_inputs(model: nn.Module, record: LayerRecord, fits: Dict[str
     """A layer whose kind cannot be regressed on the original outputs (several weight matrices,
     :attr:`~panther_lite.conversion.kinds.LayerKind.sequential_regression`): its own statistics
     recorded on the inputs the partly converted model gives it, then its kind's fit."""
-    recorder = record.kind.recorder(record, run.device, run.shrinkage == "auto")
+    recorder = record.strategy.recorder(record, run.device, run.shrinkage == "auto")
     stop = _StopAfterGroup([record], run.calls)
     handles = [record.module.register_forward_pre_hook(recorder, with_kwargs=True)]
     handles.append(record.module.register_forward_hook(stop.hook(record)))
@@ -267,7 +267,7 @@ def _fit_on_current_inputs(model: nn.Module, record: LayerRecord, fits: Dict[str
         for handle in handles:
             handle.remove()
         recorder.last_input = None
-    return record.kind.fit(record, recorder, "svd", run.seeds[record.name], run.fit, run.shrinkage)
+    return record.strategy.fit(record, recorder, "svd", run.seeds[record.name], run.fit, run.shrinkage)
 
 
 def _fit_group(model: nn.Module, group: List[LayerRecord], fits: Dict[str, FitResult], run: _Run) -> None:

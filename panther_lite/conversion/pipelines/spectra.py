@@ -38,7 +38,7 @@ def _spectra(model: nn.Module, pooled: List[LayerRecord], data: CalibrationData,
     energies = {}
     for record in pooled:
         recorder = calibration.recorders.get(record.name)
-        energies.update(record.kind.energies(record, recorder, config))
+        energies.update(record.strategy.energies(record, recorder, config))
         calibration.release(record.name)
     return energies, output_gains(model, pooled, calibration.replay)
 

@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from ...extras import require
+from ...version import __version__
 from ..api import convert, run_pipeline
 from ..calibration.batches import CalibrationData
 from ..config import ConvertConfig, make_config
@@ -72,8 +73,6 @@ def _data_digest(source) -> str:
 
 
 def _fingerprint(files: CheckpointFiles, config: ConvertConfig, data: CalibrationData, own: dict) -> dict:
-    from ... import __version__
-
     versions = {"panther_lite": __version__, "torch": torch.__version__}
     return dict(checkpoint=files.fingerprint(), options=_options_record(config, own), data=_data_digest(data.source),
                 versions=versions)
