@@ -7,6 +7,7 @@ from . import nn, sketch
 from .conversion import (
     ConversionError,
     ConvertConfig,
+    DistillConfig,
     RefineConfig,
     apply_conversion_config,
     compress_checkpoint,
@@ -35,6 +36,7 @@ __all__ = [
     "convert",
     "ConvertConfig",
     "RefineConfig",
+    "DistillConfig",
     "register_kind",
     "densify",
     "distill",

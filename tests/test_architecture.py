@@ -84,7 +84,7 @@ def circles(graph: Dict[str, Set[str]]) -> List[List[str]]:
 
 def test_the_graph_reads_the_package():
     graph = import_graph()
-    assert "panther_lite.conversion.api" in graph["panther_lite.conversion"]
+    assert "panther_lite.conversion.workflows.convert" in graph["panther_lite.conversion"]
     assert "panther_lite.conversion.records" in graph["panther_lite.conversion.kinds.base"]
 
 

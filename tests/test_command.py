@@ -25,7 +25,7 @@ from panther_lite.cli import compress as compress_module  # noqa: E402
 from panther_lite.cli import distilling as distilling_module  # noqa: E402
 from panther_lite.cli import main  # noqa: E402
 from panther_lite.conversion.pipelines import out_of_core  # noqa: E402
-from panther_lite.conversion.saving import compress as compress_library  # noqa: E402
+from panther_lite.conversion.workflows import compress as compress_library  # noqa: E402
 from panther_lite.cli.checkpoint import calibration_batches, read_samples  # noqa: E402
 from panther_lite.conversion.saving.checkpoint_files import auto_class_for  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402

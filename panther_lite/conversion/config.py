@@ -20,7 +20,6 @@ from ..nn.low_rank_fit import FIT_METHODS
 from ..nn.rank_selection import resolve_rank_multiple
 from ..nn.validation import check_choice, check_fraction, check_positive_int
 from ..sketch.random import check_seed
-from .rules import cache_device
 
 __all__ = ["ConvertConfig", "RefineConfig", "SizeRequest", "RankSpec", "ALLOCATIONS", "make_config", "device_problem"]
 
@@ -28,6 +27,11 @@ RankSpec = Union[float, Tuple[int, int]]
 ModuleSelector = Union[str, Sequence[str], None]
 ModuleFilter = Callable[[nn.Module, str], bool]
 ALLOCATIONS = ("uniform", "global")
+
+
+def cache_device(calibration_device: Optional[torch.device]) -> torch.device:
+    """Where cached block inputs and outputs live: the calibration device, else the CPU."""
+    return calibration_device or torch.device("cpu")
 
 
 def compile_regex(name: str, pattern: str) -> "re.Pattern":
@@ -71,9 +75,19 @@ def check_holdout(holdout, where: str = "refine_block: ") -> float:
 
 @dataclass(frozen=True)
 class RefineConfig:
-    """Block-wise refinement's settings (:func:`~panther_lite.conversion.fitting.refinement.refine_block`):
-    at most ``max_steps`` Adam steps at learning rate ``lr``, ``holdout`` of the cached calls
-    held back for early stopping after ``patience`` steps without a new best."""
+    """Block-wise refinement's settings (:func:`~panther_lite.conversion.fitting.refinement.refine_block`),
+    validated once, here.
+
+    Args:
+        max_steps: most Adam steps per block.
+        lr: Adam's learning rate.
+        holdout: the fraction in (0, 1) of the cached calls held back for early stopping.
+        patience: stop after this many steps without a new best on the held-back calls.
+
+    Examples:
+        >>> RefineConfig(max_steps=20)
+        RefineConfig(max_steps=20, lr=0.001, holdout=0.25, patience=10)
+    """
 
     max_steps: int = 100
     lr: float = 1e-3
@@ -372,24 +386,30 @@ class ConvertConfig:
 
     @property
     def cache_device(self) -> torch.device:
-        """Where cached block inputs and outputs live (:func:`~panther_lite.conversion.rules.cache_device`)."""
+        """Where cached block inputs and outputs live (:func:`~panther_lite.conversion.config.cache_device`)."""
         return cache_device(self.calibration_device)
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(ConvertConfig) if f.init)
 
 
-def make_config(config: Optional[ConvertConfig], overrides: Mapping[str, object], caller: str = "convert"):
-    """The config a call runs with: ``config`` (None: the defaults) with ``overrides`` (option
-    names of :class:`ConvertConfig`) replaced. TypeError naming an unknown option and the
-    closest valid one, or a ``config`` that is not a ConvertConfig."""
+def configured(kind: type, config, overrides: Mapping[str, object], caller: str):
+    """The config of dataclass ``kind`` a call runs with: ``config`` (None: the defaults) with
+    ``overrides`` (field names of ``kind``) replaced. TypeError naming an unknown option and the
+    closest valid one, or a ``config`` that is not a ``kind``."""
+    options = tuple(f.name for f in dataclasses.fields(kind) if f.init)
     for name in overrides:
-        if name not in OPTIONS:
-            close = difflib.get_close_matches(name, OPTIONS, n=1)
+        if name not in options:
+            close = difflib.get_close_matches(name, options, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"{caller}() got an unknown option {name!r}{hint} (the options are ConvertConfig's fields)")
+            raise TypeError(f"{caller}() got an unknown option {name!r}{hint} (the options are {kind.__name__}'s fields)")
     if config is None:
-        return ConvertConfig(**overrides)
-    if not isinstance(config, ConvertConfig):
-        raise TypeError(f"config must be a panther_lite.ConvertConfig (or None), got {type(config).__name__}")
+        return kind(**overrides)
+    if not isinstance(config, kind):
+        raise TypeError(f"config must be a panther_lite.{kind.__name__} (or None), got {type(config).__name__}")
     return dataclasses.replace(config, **overrides) if overrides else config
+
+
+def make_config(config: Optional[ConvertConfig], overrides: Mapping[str, object], caller: str = "convert"):
+    """:func:`configured` for a :class:`ConvertConfig`."""
+    return configured(ConvertConfig, config, overrides, caller)

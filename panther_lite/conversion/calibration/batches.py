@@ -95,11 +95,6 @@ class CalibrationData:
         """The first batch of re-iterable data (None when there is none)."""
         return next(iter(self.source), None)
 
-    def token_masks(self) -> List[Optional[Tensor]]:
-        """The real-token mask of each batch of re-iterable data (None for a batch without
-        one; :func:`~panther_lite.conversion.calibration.tokens.batch_token_mask`), in order."""
-        return [batch_token_mask(batch) for batch in self.source] if self.reiterable else []
-
     def check_sequential(self) -> None:
         """ValueError without calibration data; TypeError unless it is a callable or can be
         iterated more than once (what ``sequential=True`` needs)."""

@@ -21,7 +21,7 @@ from torch import Tensor
 from ...nn.low_rank_fit import gram_dtype
 from ...nn.validation import all_finite, check_finite
 from ..records import LayerRecord
-from ..rules import progress_bar
+from ..progress import progress_bar
 from .batches import CalibrationData, ModelRun, evaluation_run, layer_input, run_batch, run_batch_or_callable
 from .shrinkage import HeldBack, RowMoments, any_checked, layer_strength, shrink
 from .tokens import layer_rows

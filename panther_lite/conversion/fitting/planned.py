@@ -14,8 +14,8 @@ from ..calibration.shrinkage import note_calibration, shrink
 from ..calibration.tokens import UNALIGNED_NOTE
 from ..config import ConvertConfig
 from ..records import LayerRecord
-from ..rules import layer_seed, progress_bar
-from .layer import FitResult, fit_layer
+from ..progress import progress_bar
+from .layer import FitResult, fit_layer, layer_seed
 from .sequential import fit_sequentially
 
 
@@ -91,7 +91,7 @@ def fit_planned(
     """Fit ``todo`` as ``config`` asks: from ``calibration``'s Grams, or with ``sequential`` on
     ``batches`` (the calibration data; the partly converted model runs on ``converted_batches``,
     default the same, with the ``prefitted`` modules swapped in). Layer ``i`` of ``todo`` is
-    layer ``first_index + i`` of the plan (:func:`~panther_lite.conversion.rules.layer_seed`);
+    layer ``first_index + i`` of the plan (:func:`~panther_lite.conversion.fitting.layer.layer_seed`);
     ``progress`` shows bars (default: none)."""
     if not config.sequential:
         return fit_all(todo, config, calibration, first_index, progress)

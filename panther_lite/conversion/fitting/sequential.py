@@ -46,9 +46,9 @@ from ..calibration.grams import CallOrder, check_finite_inputs, group_layers
 from ..calibration.shrinkage import HeldBack, RowMoments, any_checked, layer_strength, note_calibration, shrink
 from ..calibration.tokens import LayerRows, layer_rows
 from ..records import LayerRecord
-from ..rules import layer_seed, progress_bar
+from ..progress import progress_bar
 from ..surgery import swap_modules, undo_swaps
-from .layer import FitResult
+from .layer import FitResult, layer_seed
 
 RIDGE = 1e-2
 """Ridge of the regression, relative to the mean diagonal of ``G̃``: it pulls ``T`` towards

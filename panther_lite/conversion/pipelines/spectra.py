@@ -23,7 +23,7 @@ from ..planning.global_plan import plan_global
 from ..planning.sensitivity import output_gains
 from ..planning.sizes import PlanNote, rank_multiple_for
 from ..records import LayerRecord
-from ..rules import progress_bar
+from ..progress import progress_bar
 from .blocks import BlockList, BlockRunner, run_block
 from .capture import BlockCalls, Materialise
 

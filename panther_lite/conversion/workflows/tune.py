@@ -24,13 +24,13 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .api import convert_undoable
-from .calibration.batches import CalibrationData
-from .config import ConvertConfig, make_config
-from .kinds import frozen_types, sketched_types
-from .planning.allocation import BudgetTooSmall
-from .rules import progress_bar
-from .surgery import stored_numel, undo_swaps
+from .convert import convert_undoable
+from ..calibration.batches import CalibrationData
+from ..config import ConvertConfig, make_config
+from ..kinds import frozen_types, sketched_types
+from ..planning.allocation import BudgetTooSmall
+from ..progress import progress_bar
+from ..surgery import stored_numel, undo_swaps
 
 if TYPE_CHECKING:
     import pandas as pd
