@@ -108,3 +108,16 @@ def test_the_layers_need_torch_alone():
         if name.startswith(("panther_lite.nn", "panther_lite.sketch")):
             above = {t for t in targets if not t.startswith(("panther_lite.nn", "panther_lite.sketch"))}
             assert above <= {"panther_lite.extras"}, (name, above)
+
+
+def test_a_module_tests_are_found_by_its_path():
+    """``tests/`` mirrors the package: a test file named after a module (``test_<module>.py``) lies
+    at that module's path (``panther_lite/a/b.py`` → ``tests/a/test_b.py``)."""
+    tests = PACKAGE.parent / "tests"
+    stems = {path.stem for path in PACKAGE.rglob("*.py")}
+    misplaced = []
+    for path in sorted(tests.rglob("test_*.py")):
+        place, name = PACKAGE / path.parent.relative_to(tests), path.stem[len("test_"):]
+        if name in stems and not ((place / f"{name}.py").is_file() or (place / name / "__init__.py").is_file()):
+            misplaced.append(str(path.relative_to(tests)))
+    assert not misplaced, f"test files named after a module but not at its path: {misplaced}"

@@ -26,7 +26,8 @@ from .kinds import (
 )
 from .pipelines import Pipeline
 from .report import conversion_summary
-from .saving.pretrained import from_pretrained, save_pretrained
+from .saving.loading import from_pretrained
+from .saving.pretrained import save_pretrained
 from .saving.serialization import apply_conversion_config, conversion_config
 from .verification import ConversionError
 from .workflows import compress_checkpoint, convert, densify, tune

@@ -9,7 +9,8 @@ import functools
 import math
 import numbers
 import re
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass, field
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -286,8 +287,9 @@ class ConvertConfig:
             slower than dense at that size stays dense with the modelled times as the reason.
         init: ``"svd"``: the best rank-``2Lk`` fit of each weight, or with calibration data
             of each layer's outputs (whitened SVD); ``"sketch"``: the anchor's estimate.
-        fit: ``"auto"``, ``"exact"`` or ``"randomized"``: the fits' decomposition
-            (:mod:`panther_lite.nn.low_rank_fit`; "auto" is randomized on wide layers).
+        decomposition: ``"auto"``, ``"exact"`` or ``"randomized"``: the fits' decomposition
+            (:mod:`panther_lite.nn.low_rank_fit`; "auto" is randomized on wide layers). Its old
+            name ``fit`` is a deprecated alias (a DeprecationWarning), removed in the next release.
         sequential: with calibration data given as a list of batches, a DataLoader or a
             deterministic callable (run again, layer calls paired by order), fit the layers
             in model order on the partly converted model, each to reproduce the original
@@ -337,7 +339,7 @@ class ConvertConfig:
     rank_pattern: Optional[Mapping[str, RankSpec]] = None
     allocation: str = "uniform"
     init: str = "svd"
-    fit: str = "auto"
+    decomposition: str = "auto"
     align: Union[None, str, int] = "auto"
     runtime_rows: Optional[int] = None
     sequential: bool = False
@@ -347,15 +349,25 @@ class ConvertConfig:
     blocks: Union[None, bool, str] = "auto"
     refine: Union[bool, Mapping[str, float], RefineConfig, None] = False
     progress: Optional[bool] = None
+    fit: InitVar[Optional[str]] = None
     sizes: SizeRequest = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
+    #: Old option names still accepted, each with a DeprecationWarning: ``{old: new}``.
+    deprecated_options = {"fit": "decomposition"}
+
+    def __post_init__(self, fit: Optional[str] = None) -> None:
+        if fit is not None:
+            warnings.warn("ConvertConfig's option fit is deprecated: pass decomposition=... (the same values)",
+                          DeprecationWarning, stacklevel=3)
+            if self.decomposition not in ("auto", fit):
+                raise ValueError(f"fit={fit!r} (deprecated) contradicts decomposition={self.decomposition!r}")
+            object.__setattr__(self, "decomposition", fit)
         check_selector("target_modules", self.target_modules)
         check_selector("exclude_modules", self.exclude_modules)
         check_filter(self.filter_fn)
         check_choice("init", self.init, INITS)
         check_choice("allocation", self.allocation, ALLOCATIONS)
-        check_choice("fit", self.fit, FIT_METHODS)
+        check_choice("decomposition", self.decomposition, FIT_METHODS)
         if not isinstance(self.sequential, bool):
             raise TypeError(f"sequential must be True or False, got {self.sequential!r}")
         set_field = functools.partial(object.__setattr__, self)  # the dataclass is frozen
@@ -393,10 +405,24 @@ class ConvertConfig:
 OPTIONS = tuple(f.name for f in dataclasses.fields(ConvertConfig) if f.init)
 
 
+def _renamed(kind: type, overrides: Mapping[str, object], caller: str) -> Mapping[str, object]:
+    """``overrides`` with the deprecated names of ``kind``'s options (``kind.deprecated_options``,
+    ``{old: new}``) replaced by the new ones, each with a DeprecationWarning."""
+    for old, new in getattr(kind, "deprecated_options", {}).items():
+        if old in overrides:
+            if new in overrides:
+                raise TypeError(f"{caller}() got {old!r} (deprecated) and {new!r}: pass {new!r} alone")
+            warnings.warn(f"{caller}(): the option {old} is deprecated, pass {new}=... (the same values)",
+                          DeprecationWarning, stacklevel=4)
+            overrides = {new if name == old else name: value for name, value in overrides.items()}
+    return overrides
+
+
 def configured(kind: type, config, overrides: Mapping[str, object], caller: str):
     """The config of dataclass ``kind`` a call runs with: ``config`` (None: the defaults) with
     ``overrides`` (field names of ``kind``) replaced. TypeError naming an unknown option and the
     closest valid one, or a ``config`` that is not a ``kind``."""
+    overrides = _renamed(kind, overrides, caller)
     options = tuple(f.name for f in dataclasses.fields(kind) if f.init)
     for name in overrides:
         if name not in options:

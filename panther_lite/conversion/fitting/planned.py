@@ -70,7 +70,7 @@ def fit_all(
     for index, record in enumerate(progress_bar(todo, "converting", "layer", progress)):
         recorder = None if calibration is None else calibration.recorders.get(record.name)
         seed = layer_seed(config.seed, first_index + index)
-        fits[record.name] = record.strategy.fit(record, recorder, config.init, seed, config.fit, config.shrinkage)
+        fits[record.name] = record.strategy.fit(record, recorder, config.init, seed, config.decomposition, config.shrinkage)
         if calibration is not None:
             calibration.release(record.name)
     return fits
@@ -97,11 +97,11 @@ def fit_planned(
         return fit_all(todo, config, calibration, first_index, progress)
     fits, unreached = fit_sequentially(
         model, todo, batches, seed=layer_seed(config.seed, first_index), device=config.calibration_device,
-        progress=progress, fit=config.fit, converted_batches=converted_batches, prefitted=prefitted,
+        progress=progress, fit=config.decomposition, converted_batches=converted_batches, prefitted=prefitted,
         shrinkage=config.shrinkage,
     )
     for record in unreached:
         warn_uncalibrated(record)
         seed = layer_seed(config.seed, first_index + todo.index(record))
-        fits[record.name] = record.strategy.fit(record, None, "svd", seed, config.fit)
+        fits[record.name] = record.strategy.fit(record, None, "svd", seed, config.decomposition)
     return fits

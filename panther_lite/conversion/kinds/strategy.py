@@ -18,12 +18,12 @@ import torch.nn as nn
 from torch import Tensor
 
 from ...nn.low_rank_fit import relative_error
-from ..calibration.experts import ExpertsRecorder, expert_energies
+from ..calibration.experts import ExpertsRecorder
 from ..calibration.grams import GramRecorder, spectrum_gram
 from ..fitting.experts import fit_experts, measure_weights
 from ..fitting.layer import FitResult
 from ..fitting.planned import fit_from_gram
-from ..planning.allocation import whitened_energy
+from ..planning.allocation import expert_energies, whitened_energy
 from ..records import LayerRecord
 
 __all__ = ["LayerStrategy", "MatrixStrategy", "ExpertsStrategy", "STRATEGIES", "new_record"]

@@ -203,6 +203,18 @@ def compress_checkpoint(
             checkpoint is then loaded whole and a copy of it kept as ``teacher`` (the original),
             so both models are in memory; ``directory`` is the staged output.
 
+    Examples:
+        >>> import tempfile, torch, transformers, panther_lite
+        >>> config = transformers.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        >>> source, output = tempfile.mkdtemp(), tempfile.mkdtemp() + "/out"
+        >>> transformers.LlamaForCausalLM(config).save_pretrained(source)
+        >>> batches = [dict(input_ids=torch.randint(0, 40, (2, 8))) for _ in range(2)]
+        >>> report = panther_lite.compress_checkpoint(source, output, calibration_data=batches,
+        ...     param_ratio=0.5, progress=False)
+        >>> report.attrs["pipeline"].split(":")[0]
+        'out of core'
+
     Returns:
         ``convert``'s report; ``attrs["pipeline"]`` says which pipeline ran and why.
     """

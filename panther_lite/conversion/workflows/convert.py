@@ -62,6 +62,15 @@ def convert(
             in a config give the same model bit for bit. An unknown name is a TypeError
             naming the closest option.
 
+        Examples:
+        >>> import torch, torch.nn as nn, panther_lite
+        >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+        >>> batches = [torch.randn(32, 64) for _ in range(2)]
+        >>> report = panther_lite.convert(model, param_ratio=0.5, calibration_data=batches, progress=False)
+        >>> list(report["status"]), type(model[0]).__name__
+        (['converted', 'converted'], 'SKLinear')
+        >>> config = panther_lite.ConvertConfig(param_ratio=0.5, allocation="global")  # the same options, kept
+
     Returns:
         A DataFrame, one row per selected layer (``REPORT_COLUMNS``): ``status``
         (``"converted"``, ``"kept dense"`` or ``"skipped"``) with its ``reason``, sizes
@@ -153,7 +162,15 @@ def densify(model: nn.Module) -> nn.Module:
     ``Conv1D`` again, ``(in, out)`` weight, or an ``nn.Linear`` when transformers cannot be
     imported). Returns ``model``, or the dense layer itself when ``model`` is a sketched
     layer (a root cannot be replaced in place). A model holding frozen layers
-    (:func:`~panther_lite.freeze`, one-way) is a ValueError, nothing changed."""
+    (:func:`~panther_lite.freeze`, one-way) is a ValueError, nothing changed.
+
+    Examples:
+        >>> import torch.nn as nn, panther_lite
+        >>> model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        >>> _ = panther_lite.convert(model, num_terms=1, low_rank=2, progress=False)
+        >>> type(panther_lite.densify(model)[0]).__name__
+        'Linear'
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     frozen = frozen_layers(model)

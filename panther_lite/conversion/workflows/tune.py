@@ -232,6 +232,16 @@ def tune(
             ``sequential``, ``allocation`` — default ``"global"`` without a ``config`` — ...),
             replacing the ``config``'s; not the sizes, which tune chooses.
 
+        Examples:
+        >>> import torch, torch.nn as nn, panther_lite
+        >>> torch.manual_seed(0) and None
+        >>> model, x = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(64, 32)
+        >>> reference = model(x).detach()
+        >>> score = lambda m: -nn.functional.mse_loss(m(x), reference).item()
+        >>> result = panther_lite.tune(model, score, tolerance=0.05, calibration_data=[x])
+        >>> 0 < result.attrs["tune_budget"] <= 1
+        True
+
     Returns:
         The report of the final :func:`~panther_lite.convert` (all layers "kept dense" when
         no budget below ``high`` passed), with ``attrs["search"]``: a DataFrame of every
