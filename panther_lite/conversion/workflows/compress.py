@@ -81,7 +81,7 @@ def _write_reports(report: "pd.DataFrame", directory: Path, title: str) -> None:
     instead when matplotlib, the ``[bench]`` extra, is missing: the model is written without it)."""
     import pandas as pd
 
-    from ..report_plot import plot_conversion_report
+    from ..report_plot import plot_conversion_report  # pandas and matplotlib: imported when a report is written
 
     report.to_csv(directory / REPORT_CSV, index=False)
     if "refinement" in report.attrs:
