@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from panther_lite.benchmark import CsvRows, device_name
-from panther_lite.benchmark.cli import positive_int
+from panther_lite.cli.arguments import positive_int
 from panther_lite.benchmark.deploy import DEPLOY_COLUMNS, deploy_rows, deployable_forms, plot_deploy
 from panther_lite.benchmark.tasks import accuracy, load_digits_split, mlp_classifier, train_classifier
 

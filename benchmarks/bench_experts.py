@@ -45,7 +45,7 @@ from panther_lite.benchmark import (
     time_interleaved,
     write_table_and_figure,
 )
-from panther_lite.benchmark.cli import DTYPES, non_negative_int, positive_int
+from panther_lite.cli.arguments import DTYPES, non_negative_int, positive_int
 from panther_lite.nn import SKExperts
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from panther_lite.benchmark import CsvRows, device_name, new_figure, save_figure, structured_weight, time_interleaved
-from panther_lite.benchmark.cli import non_negative_float, positive_int
+from panther_lite.cli.arguments import non_negative_float, positive_int
 from panther_lite.nn.low_rank_fit import decomposition_dtype, relative_error, sketch_factors_from_weight
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from panther_lite.benchmark import LinearCase, bar_line, compare, device_name, forward_step, save_bars
-from panther_lite.benchmark.cli import non_negative_int, positive_int
+from panther_lite.cli.arguments import non_negative_int, positive_int
 from panther_lite.nn import SKLinear
 
 OUT = Path(__file__).resolve().parent / "out"

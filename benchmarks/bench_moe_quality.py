@@ -38,7 +38,7 @@ import torch.nn as nn
 
 import panther_lite
 from panther_lite.benchmark import new_figure, save_figure, write_table_and_figure
-from panther_lite.benchmark.cli import positive_int
+from panther_lite.cli.arguments import positive_int
 from panther_lite.benchmark.tasks import accuracy, load_digits_split, train_classifier
 
 OUT = Path(__file__).resolve().parent / "out" / "cpu"

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 import panther_lite
 from panther_lite.benchmark import Spread, device_name, time_interleaved
-from panther_lite.benchmark.cli import positive_int
+from panther_lite.cli.arguments import positive_int
 from panther_lite.benchmark.deploy import export_onnx, onnx_runner
 
 PROVIDER = "CUDAExecutionProvider"

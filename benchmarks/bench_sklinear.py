@@ -43,7 +43,7 @@ from panther_lite.benchmark import (
     save_bars,
     time_interleaved,
 )
-from panther_lite.benchmark.cli import non_negative_int, positive_int
+from panther_lite.cli.arguments import non_negative_int, positive_int
 from panther_lite.nn import SKLinear
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 from panther_lite.benchmark import Conv2dCase, LinearCase, noise_note, publish_sweep_results, run_sweep, staged_path
-from panther_lite.benchmark.cli import DTYPES, non_negative_float, non_negative_int, positive_int
+from panther_lite.cli.arguments import DTYPES, non_negative_float, non_negative_int, positive_int
 
 OUT = Path(__file__).resolve().parent / "out"
 # Per-layer defaults for the sizes and grid left unset (each CPU grid takes minutes on 2 cores).

@@ -7,6 +7,7 @@ from . import nn, sketch
 from .conversion import (
     ConversionError,
     ConvertConfig,
+    DistillConfig,
     RefineConfig,
     apply_conversion_config,
     compress_checkpoint,
@@ -25,8 +26,7 @@ from .conversion import (
 )
 from .evaluation import Perplexity, perplexity
 from .nn import SKConv1d, SKConv2d, SKConv3d, SKExperts, SKLinear
-
-__version__ = "0.2.0"
+from .version import __version__
 
 __all__ = [
     "SKLinear",
@@ -37,6 +37,7 @@ __all__ = [
     "convert",
     "ConvertConfig",
     "RefineConfig",
+    "DistillConfig",
     "register_kind",
     "densify",
     "distill",

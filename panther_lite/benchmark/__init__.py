@@ -26,7 +26,6 @@ re-exported here.
   plots and pyplot-free figures.
 * :mod:`~panther_lite.benchmark.bars` — performance bars: a sketched callable timed in
   alternation with its reference (:func:`compare`), rows, lines and a figure.
-* :mod:`~panther_lite.benchmark.cli` — argument types for the benchmark scripts.
 * :mod:`~panther_lite.benchmark.deploy` — a model's deployable forms (dense, converted,
   frozen, int8) in PyTorch and onnxruntime: :func:`deployable_forms`, :func:`deploy_rows`
   (size on disk, latency, quality), :func:`plot_deploy`, and the ONNX steps

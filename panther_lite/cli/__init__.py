@@ -7,6 +7,7 @@ import os
 import sys
 from typing import List, Optional
 
+from ..version import __version__
 from .checkpoint import CommandError
 from .compress import add_compress_command
 from .signals import TERMINATED, Terminated, sigterm_raises
@@ -26,8 +27,6 @@ def _prog() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
-
     parser = argparse.ArgumentParser(prog=_prog(), description="panther_lite commands")
     parser.add_argument("--version", action="version", version=f"panther_lite {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -17,16 +17,17 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..conversion import ConvertConfig, random_token_batches
+from ..conversion import ConvertConfig, RefineConfig, random_token_batches
 from ..conversion.config import ALLOCATIONS, device_problem
 from ..conversion.distilling.distillation import RANDOM_TOKEN_LENGTH as DISTILL_RANDOM_TOKEN_LENGTH
 from ..conversion.kinds import kind_of
 from ..conversion.saving.checkpoint_files import CheckpointFiles
-from ..conversion.saving.compress import REFINEMENT_CSV, REPORT_CSV, REPORT_PNG, compress_checkpoint
+from ..conversion.workflows.compress import REFINEMENT_CSV, REPORT_CSV, REPORT_PNG, compress_checkpoint
 from ..conversion.saving.staging import check_output_dir, staging_path
 from ..extras import quiet_optional_imports, require
 from ..nn.low_rank_fit import FIT_METHODS
 from .arguments import DTYPES, positive_float, positive_int
+from .config_options import Option, add_config_options, config_overrides
 from .checkpoint import CommandError, calibration_batches, check_model_dir, load_tokenizer, read_samples
 from .distilling import add_distill_options, check_distill_options, distiller
 from .evaluation import Evaluation, add_evaluation_options
@@ -68,6 +69,22 @@ def _device(text: str) -> str:
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
     return text
+
+
+def _blocks(text: str):
+    """``argparse`` type for ``--blocks``: "off" (or "none") is False, else "auto" or a dotted path."""
+    return False if text.lower() in _NO_BLOCKS else text
+
+
+CONVERT_OPTIONS = (
+    Option("param_ratio", _ratio), Option("num_terms", positive_int), Option("low_rank", positive_int),
+    Option("allocation", ALLOCATIONS), Option("sequential", bool), Option("decomposition", FIT_METHODS, aliases=("--fit",)),
+    Option("align", _alignment, metavar="auto|none|N"), Option("seed", int),
+    Option("calibration_device", _device, metavar="DEVICE"), Option("blocks", _blocks, metavar="auto|off|PATH"),
+)
+REFINE_OPTIONS = (
+    Option("max_steps", positive_int, aliases=("--refine-steps",)), Option("lr", positive_float),
+)
 
 
 def _add_selection_options(command) -> None:
@@ -116,27 +133,11 @@ def add_compress_command(subparsers) -> None:
                            "drawn afresh every pass)")
     data.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                       help="dtype the model is loaded and converted in (default: the checkpoint's)")
-    sizes = command.add_argument_group("sizes and allocation (panther_lite.convert's arguments)")
-    sizes.add_argument("--param-ratio", type=_ratio, help="stored size as a fraction of dense, in (0, 1]")
-    sizes.add_argument("--num-terms", type=positive_int, help="L for every layer (default 1 with --param-ratio)")
-    sizes.add_argument("--low-rank", type=positive_int, help="k for every layer")
-    sizes.add_argument("--allocation", choices=ALLOCATIONS, default="uniform",
-                       help="uniform: --param-ratio per layer; global: one budget for all layers")
-    sizes.add_argument("--sequential", action="store_true",
-                       help="fit layers in model order to the original outputs from the compressed inputs")
-    sizes.add_argument("--fit", choices=FIT_METHODS, default="auto", help="the fits' decomposition")
-    sizes.add_argument("--align", type=_alignment, default="auto", help="low_rank rounding: auto, none or a multiple")
-    sizes.add_argument("--seed", type=int, help="seed of the randomized fits")
-    sizes.add_argument("--calibration-device", type=_device, metavar="DEVICE",
-                       help="where calibration statistics live (e.g. cuda:0)")
-    sizes.add_argument("--blocks", metavar="auto|off|PATH",
-                       help="block-by-block conversion: auto-detect, off, or the dotted path of the block list "
-                            "(needs a panther_lite whose convert takes blocks)")
-    refine = command.add_argument_group("block-wise refinement (convert's refine; needs the block pipeline)")
-    refine.add_argument("--refine", action="store_true",
-                        help="after each block's fits, Adam steps so it reproduces the original block's outputs")
-    refine.add_argument("--refine-steps", type=positive_int, help="most Adam steps per block (default 100)")
-    refine.add_argument("--refine-lr", type=positive_float, help="Adam's learning rate (default 1e-3)")
+    sizes = command.add_argument_group("sizes, allocation and fits (panther_lite.ConvertConfig's fields)")
+    add_config_options(sizes, ConvertConfig, CONVERT_OPTIONS)
+    refine = command.add_argument_group("block-wise refinement (ConvertConfig.refine, RefineConfig's fields)")
+    add_config_options(refine, ConvertConfig, (Option("refine", bool),))
+    add_config_options(refine, RefineConfig, REFINE_OPTIONS, prefix="refine-")
     add_distill_options(command)
     add_evaluation_options(command)
     _add_selection_options(command)
@@ -151,25 +152,22 @@ def _selector(names: Optional[List[str]], regex: Optional[str]):
 
 def convert_config(args: argparse.Namespace) -> ConvertConfig:
     """The :class:`~panther_lite.ConvertConfig` the parsed options ask for."""
-    if args.param_ratio is None and args.low_rank is None:
+    options = config_overrides(args, CONVERT_OPTIONS)
+    if "param_ratio" not in options and "low_rank" not in options:
         raise CommandError("give the size: --param-ratio R, or --low-rank K (with --num-terms L)")
-    options = dict(
-        param_ratio=args.param_ratio, num_terms=args.num_terms, low_rank=args.low_rank,
-        allocation=args.allocation, sequential=args.sequential, fit=args.fit, align=args.align, seed=args.seed,
-        calibration_device=args.calibration_device, progress=not args.quiet,
+    options.update(
+        progress=not args.quiet,
         target_modules=_selector(args.target_modules, args.target_regex),
         exclude_modules=_selector(args.exclude_modules, args.exclude_regex),
     )
-    settings = {"max_steps": args.refine_steps, "lr": args.refine_lr}
-    settings = {name: value for name, value in settings.items() if value is not None}
-    if settings and not args.refine:
-        raise CommandError("--refine-steps and --refine-lr set block-wise refinement: add --refine")
-    if args.refine:
+    settings = config_overrides(args, REFINE_OPTIONS, prefix="refine-")
+    refine = config_overrides(args, (Option("refine", bool),)).get("refine", False)
+    if settings and not refine:
+        raise CommandError("--refine-max-steps and --refine-lr set block-wise refinement: add --refine")
+    if refine:
         options["refine"] = settings or True
-        if args.blocks is not None and args.blocks.lower() in _NO_BLOCKS:
+        if options.get("blocks") is False:
             raise CommandError("--refine refines block by block: it cannot be combined with --blocks off")
-    if args.blocks is not None:
-        options["blocks"] = False if args.blocks.lower() in _NO_BLOCKS else args.blocks
     return ConvertConfig(**options)
 
 

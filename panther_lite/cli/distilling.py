@@ -13,34 +13,40 @@ from typing import Callable, List, Optional
 
 import torch.nn as nn
 
-from ..conversion import distill
+from ..conversion import DistillConfig, distill
 from ..conversion.distilling import DistillationResult
 from ..conversion.pipelines.blocks import without_kv_cache
 from .arguments import positive_float, positive_int
 from .checkpoint import CommandError
+from .config_options import Option, add_config_options, config_overrides
 
 __all__ = ["DISTILLATION_CSV", "add_distill_options", "check_distill_options", "distiller", "run_distill"]
 
 DISTILLATION_CSV = "distillation.csv"
 
 
+DISTILL_OPTIONS = (
+    Option("max_steps", positive_int, aliases=("--distill-steps",)), Option("lr", positive_float),
+)
+
+
 def add_distill_options(command: argparse.ArgumentParser) -> None:
-    """``--distill``, ``--distill-steps`` and ``--distill-lr`` in their own group."""
-    group = command.add_argument_group("distillation against the original (panther_lite.distill)")
+    """``--distill`` and the :class:`~panther_lite.DistillConfig` fields it offers
+    (``--distill-max-steps``, ``--distill-lr``) in their own group."""
+    group = command.add_argument_group("distillation against the original (panther_lite.distill, DistillConfig's fields)")
     group.add_argument("--distill", action="store_true",
                        help="after the conversion, train the converted model's factors and biases to reproduce the "
                             "original model's outputs on the calibration batches (holds both models in memory); "
                             f"writes {DISTILLATION_CSV}")
-    group.add_argument("--distill-steps", type=positive_int, help="most Adam steps, one batch each (default 1000)")
-    group.add_argument("--distill-lr", type=positive_float, help="Adam's peak learning rate (default 1e-3)")
+    add_config_options(group, DistillConfig, DISTILL_OPTIONS, prefix="distill-")
 
 
 def check_distill_options(args: argparse.Namespace) -> dict:
-    """``distill``'s keyword arguments the options set (CommandError for a setting without ``--distill``)."""
-    settings = {"max_steps": args.distill_steps, "lr": args.distill_lr}
-    settings = {name: value for name, value in settings.items() if value is not None}
+    """The :class:`~panther_lite.DistillConfig` fields the options set (CommandError for a setting
+    without ``--distill``)."""
+    settings = config_overrides(args, DISTILL_OPTIONS, prefix="distill-")
     if settings and not args.distill:
-        raise CommandError("--distill-steps and --distill-lr set the distillation: add --distill")
+        raise CommandError("--distill-max-steps and --distill-lr set the distillation: add --distill")
     return settings
 
 

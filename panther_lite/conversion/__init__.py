@@ -1,37 +1,36 @@
 """Model surgery: replace a trained model's dense layers with fitted sketched layers, and back.
 
-:func:`convert` takes its options as a :class:`ConvertConfig` (``config``), picks layers
-(``selection``) of the registered layer kinds (``kinds``, :func:`register_kind`), chooses a
-pipeline (``pipelines``: the whole model at once or block by block) that sizes them
+The workflows (``workflows``, on one shared setup step): :func:`convert` takes its options as a
+:class:`ConvertConfig` (``config``), picks layers (``selection``) of the registered layer kinds
+(``kinds``: each kind's description and its strategy, :func:`register_kind`), chooses a pipeline
+(``pipelines``: the whole model at once, block by block, or out of core) that sizes them
 (``planning``), records calibration statistics (``calibration``) and fits replacements
 (``fitting``), swaps them in atomically (``surgery``), checks the result still runs
-(``verification``) and reports (``report``); :func:`densify` undoes it;
+(``verification``) and reports (``report``, ``report_plot``); :func:`densify` undoes it;
+:func:`compress_checkpoint` converts a checkpoint directory larger than memory, streamed block by
+block; :func:`tune` finds the smallest budget within a tolerance of the dense score.
 :func:`conversion_config` / :func:`apply_conversion_config` (``saving``) rebuild a converted
 layout so its ``state_dict`` loads into a fresh copy of the dense model; :func:`save_pretrained`
-/ :func:`from_pretrained` save and rebuild a converted model with its config; :func:`tune`
-(``tuning``) finds the smallest budget within a tolerance of the dense score; :func:`freeze`
+/ :func:`from_pretrained` save and rebuild a converted model with its config; :func:`freeze`
 (``deploy``) turns sketched layers into standard ones for deployment;
 :func:`random_token_batches` adds a data-free prior over a language model's vocabulary to its
-calibration batches; :func:`distill` (``distilling``) trains a converted model against the original;
-:func:`compress_checkpoint` converts a checkpoint directory larger than memory, streamed block by
-block (``pipelines``: out of core).
+calibration batches; :func:`distill` (``distilling``) trains a converted model against the original.
 """
 from ..figures import plot_search
-from .api import convert, densify
 from .calibration.random_tokens import random_token_batches
 from .config import ConvertConfig, RefineConfig
 from .deploy.freezing import freeze
-from .distilling import DistillationResult, distill
+from .distilling import DistillConfig, DistillationResult, distill
 from .kinds import (
     FrozenConv1d, FrozenConv2d, FrozenConv3d, FrozenExperts, FrozenLinear, LayerKind, LinearKind, register_kind,
 )
 from .pipelines import Pipeline
 from .report import conversion_summary
-from .saving.compress import compress_checkpoint
-from .saving.pretrained import from_pretrained, save_pretrained
+from .saving.loading import from_pretrained
+from .saving.pretrained import save_pretrained
 from .saving.serialization import apply_conversion_config, conversion_config
-from .tuning import tune
 from .verification import ConversionError
+from .workflows import compress_checkpoint, convert, densify, tune
 
 __all__ = [
     "convert",
@@ -59,5 +58,6 @@ __all__ = [
     "plot_search",
     "random_token_batches",
     "distill",
+    "DistillConfig",
     "DistillationResult",
 ]

@@ -9,7 +9,8 @@ import functools
 import math
 import numbers
 import re
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass, field
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -20,7 +21,6 @@ from ..nn.low_rank_fit import FIT_METHODS
 from ..nn.rank_selection import resolve_rank_multiple
 from ..nn.validation import check_choice, check_fraction, check_positive_int
 from ..sketch.random import check_seed
-from .rules import cache_device
 
 __all__ = ["ConvertConfig", "RefineConfig", "SizeRequest", "RankSpec", "ALLOCATIONS", "make_config", "device_problem"]
 
@@ -28,6 +28,11 @@ RankSpec = Union[float, Tuple[int, int]]
 ModuleSelector = Union[str, Sequence[str], None]
 ModuleFilter = Callable[[nn.Module, str], bool]
 ALLOCATIONS = ("uniform", "global")
+
+
+def cache_device(calibration_device: Optional[torch.device]) -> torch.device:
+    """Where cached block inputs and outputs live: the calibration device, else the CPU."""
+    return calibration_device or torch.device("cpu")
 
 
 def compile_regex(name: str, pattern: str) -> "re.Pattern":
@@ -71,9 +76,19 @@ def check_holdout(holdout, where: str = "refine_block: ") -> float:
 
 @dataclass(frozen=True)
 class RefineConfig:
-    """Block-wise refinement's settings (:func:`~panther_lite.conversion.fitting.refinement.refine_block`):
-    at most ``max_steps`` Adam steps at learning rate ``lr``, ``holdout`` of the cached calls
-    held back for early stopping after ``patience`` steps without a new best."""
+    """Block-wise refinement's settings (:func:`~panther_lite.conversion.fitting.refinement.refine_block`),
+    validated once, here.
+
+    Args:
+        max_steps: most Adam steps per block.
+        lr: Adam's learning rate.
+        holdout: the fraction in (0, 1) of the cached calls held back for early stopping.
+        patience: stop after this many steps without a new best on the held-back calls.
+
+    Examples:
+        >>> RefineConfig(max_steps=20)
+        RefineConfig(max_steps=20, lr=0.001, holdout=0.25, patience=10)
+    """
 
     max_steps: int = 100
     lr: float = 1e-3
@@ -272,8 +287,9 @@ class ConvertConfig:
             slower than dense at that size stays dense with the modelled times as the reason.
         init: ``"svd"``: the best rank-``2Lk`` fit of each weight, or with calibration data
             of each layer's outputs (whitened SVD); ``"sketch"``: the anchor's estimate.
-        fit: ``"auto"``, ``"exact"`` or ``"randomized"``: the fits' decomposition
-            (:mod:`panther_lite.nn.low_rank_fit`; "auto" is randomized on wide layers).
+        decomposition: ``"auto"``, ``"exact"`` or ``"randomized"``: the fits' decomposition
+            (:mod:`panther_lite.nn.low_rank_fit`; "auto" is randomized on wide layers). Its old
+            name ``fit`` is a deprecated alias (a DeprecationWarning), removed in the next release.
         sequential: with calibration data given as a list of batches, a DataLoader or a
             deterministic callable (run again, layer calls paired by order), fit the layers
             in model order on the partly converted model, each to reproduce the original
@@ -323,7 +339,7 @@ class ConvertConfig:
     rank_pattern: Optional[Mapping[str, RankSpec]] = None
     allocation: str = "uniform"
     init: str = "svd"
-    fit: str = "auto"
+    decomposition: str = "auto"
     align: Union[None, str, int] = "auto"
     runtime_rows: Optional[int] = None
     sequential: bool = False
@@ -333,15 +349,25 @@ class ConvertConfig:
     blocks: Union[None, bool, str] = "auto"
     refine: Union[bool, Mapping[str, float], RefineConfig, None] = False
     progress: Optional[bool] = None
+    fit: InitVar[Optional[str]] = None
     sizes: SizeRequest = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
+    #: Old option names still accepted, each with a DeprecationWarning: ``{old: new}``.
+    deprecated_options = {"fit": "decomposition"}
+
+    def __post_init__(self, fit: Optional[str] = None) -> None:
+        if fit is not None:
+            warnings.warn("ConvertConfig's option fit is deprecated: pass decomposition=... (the same values)",
+                          DeprecationWarning, stacklevel=3)
+            if self.decomposition not in ("auto", fit):
+                raise ValueError(f"fit={fit!r} (deprecated) contradicts decomposition={self.decomposition!r}")
+            object.__setattr__(self, "decomposition", fit)
         check_selector("target_modules", self.target_modules)
         check_selector("exclude_modules", self.exclude_modules)
         check_filter(self.filter_fn)
         check_choice("init", self.init, INITS)
         check_choice("allocation", self.allocation, ALLOCATIONS)
-        check_choice("fit", self.fit, FIT_METHODS)
+        check_choice("decomposition", self.decomposition, FIT_METHODS)
         if not isinstance(self.sequential, bool):
             raise TypeError(f"sequential must be True or False, got {self.sequential!r}")
         set_field = functools.partial(object.__setattr__, self)  # the dataclass is frozen
@@ -372,24 +398,44 @@ class ConvertConfig:
 
     @property
     def cache_device(self) -> torch.device:
-        """Where cached block inputs and outputs live (:func:`~panther_lite.conversion.rules.cache_device`)."""
+        """Where cached block inputs and outputs live (:func:`~panther_lite.conversion.config.cache_device`)."""
         return cache_device(self.calibration_device)
 
 
 OPTIONS = tuple(f.name for f in dataclasses.fields(ConvertConfig) if f.init)
 
 
-def make_config(config: Optional[ConvertConfig], overrides: Mapping[str, object], caller: str = "convert"):
-    """The config a call runs with: ``config`` (None: the defaults) with ``overrides`` (option
-    names of :class:`ConvertConfig`) replaced. TypeError naming an unknown option and the
-    closest valid one, or a ``config`` that is not a ConvertConfig."""
+def _renamed(kind: type, overrides: Mapping[str, object], caller: str) -> Mapping[str, object]:
+    """``overrides`` with the deprecated names of ``kind``'s options (``kind.deprecated_options``,
+    ``{old: new}``) replaced by the new ones, each with a DeprecationWarning."""
+    for old, new in getattr(kind, "deprecated_options", {}).items():
+        if old in overrides:
+            if new in overrides:
+                raise TypeError(f"{caller}() got {old!r} (deprecated) and {new!r}: pass {new!r} alone")
+            warnings.warn(f"{caller}(): the option {old} is deprecated, pass {new}=... (the same values)",
+                          DeprecationWarning, stacklevel=4)
+            overrides = {new if name == old else name: value for name, value in overrides.items()}
+    return overrides
+
+
+def configured(kind: type, config, overrides: Mapping[str, object], caller: str):
+    """The config of dataclass ``kind`` a call runs with: ``config`` (None: the defaults) with
+    ``overrides`` (field names of ``kind``) replaced. TypeError naming an unknown option and the
+    closest valid one, or a ``config`` that is not a ``kind``."""
+    overrides = _renamed(kind, overrides, caller)
+    options = tuple(f.name for f in dataclasses.fields(kind) if f.init)
     for name in overrides:
-        if name not in OPTIONS:
-            close = difflib.get_close_matches(name, OPTIONS, n=1)
+        if name not in options:
+            close = difflib.get_close_matches(name, options, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"{caller}() got an unknown option {name!r}{hint} (the options are ConvertConfig's fields)")
+            raise TypeError(f"{caller}() got an unknown option {name!r}{hint} (the options are {kind.__name__}'s fields)")
     if config is None:
-        return ConvertConfig(**overrides)
-    if not isinstance(config, ConvertConfig):
-        raise TypeError(f"config must be a panther_lite.ConvertConfig (or None), got {type(config).__name__}")
+        return kind(**overrides)
+    if not isinstance(config, kind):
+        raise TypeError(f"config must be a panther_lite.{kind.__name__} (or None), got {type(config).__name__}")
     return dataclasses.replace(config, **overrides) if overrides else config
+
+
+def make_config(config: Optional[ConvertConfig], overrides: Mapping[str, object], caller: str = "convert"):
+    """:func:`configured` for a :class:`ConvertConfig`."""
+    return configured(ConvertConfig, config, overrides, caller)

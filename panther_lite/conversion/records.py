@@ -2,8 +2,8 @@
 convert decided for it (converted, kept dense or skipped, with the reason)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -11,14 +11,28 @@ from torch import Tensor
 
 from ..nn import dense_size
 from ..nn.validation import check_finite
-from .kinds.base import LayerKind
 
 CONVERTED, KEPT_DENSE, SKIPPED = "converted", "kept dense", "skipped"
 
 
+class LayerReader(Protocol):
+    """What a record reads of its layer's kind (a :class:`~panther_lite.conversion.kinds.LayerKind`
+    provides it): the dense tensors of ``module``, and its weight as a ``(fan_out, fan_in)`` matrix."""
+
+    def weight(self, module: nn.Module) -> Tensor: ...
+
+    def bias(self, module: nn.Module) -> Optional[Tensor]: ...
+
+    def tensors(self, module: nn.Module) -> Dict[str, Tensor]: ...
+
+    def weight_matrix(self, module: nn.Module) -> Tensor: ...
+
+
 @dataclass
 class LayerRecord:
-    """One selected layer and its :class:`~panther_lite.conversion.kinds.LayerKind`.
+    """One selected layer, its :class:`~panther_lite.conversion.kinds.LayerKind` (``kind``) and
+    the :class:`~panther_lite.conversion.kinds.strategy.LayerStrategy` calibrating and fitting it
+    (``strategy``, set with the record by :func:`~panther_lite.conversion.kinds.strategy.new_record`).
     ``status`` starts as ``"converted"`` (planned) and becomes ``"kept dense"`` or
     ``"skipped"`` with a ``reason``; a planner sets ``num_terms`` and ``low_rank`` of the
     layers it converts. ``routed``: the layer belongs to one expert of a mixture of experts
@@ -26,12 +40,13 @@ class LayerRecord:
 
     name: str
     module: nn.Module
-    kind: LayerKind
+    kind: LayerReader
     status: str = CONVERTED
     reason: str = ""
     num_terms: Optional[int] = None
     low_rank: Optional[int] = None
     routed: bool = False
+    strategy: Any = field(default=None, repr=False, compare=False)
 
     @property
     def to_convert(self) -> bool:

@@ -13,6 +13,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from .adapters import adapter_skip_reason
 from .config import ModuleFilter, ModuleSelector
 from .kinds import frozen_types, kind_of, registered_kinds, sketched_types
+from .kinds.strategy import new_record
 from .records import SKIPPED, LayerRecord
 from .routing import mark_routing
 
@@ -64,7 +65,7 @@ def candidates(model: nn.Module) -> List[LayerRecord]:
     for fqn, module in model.named_modules():
         kind = kind_of(module)
         if kind is not None and not (frozen and fqn.startswith(frozen)):
-            found.append(kind.record(fqn, module))
+            found.append(new_record(kind, fqn, module))
     return found
 
 

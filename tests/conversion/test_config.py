@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import panther_lite
 from panther_lite import ConvertConfig, RefineConfig
+from panther_lite.conversion.config import make_config
 
 
 def mlp(seed: int = 0) -> nn.Sequential:
@@ -35,7 +36,7 @@ def _same_model_and_report(first, second, report_a, report_b):
         dict(param_ratio=0.4, seed=0),
         dict(param_ratio=0.3, allocation="global", sequential=True),
         dict(num_terms=2, low_rank=3, init="sketch", seed=5),
-        dict(param_ratio=0.5, rank_pattern={"2": (1, 2)}, fit="randomized", seed=1),
+        dict(param_ratio=0.5, rank_pattern={"2": (1, 2)}, decomposition="randomized", seed=1),
     ],
 )
 def test_keywords_and_a_config_give_the_same_model_bit_for_bit(options):
@@ -126,3 +127,14 @@ def test_a_calibration_device_this_machine_lacks_is_named_before_anything_runs(m
     with pytest.raises(ValueError, match=r"calibration_device 'cuda:3': this machine has 1 cuda device"):
         ConvertConfig(param_ratio=0.5, calibration_device="cuda:3")
     assert ConvertConfig(param_ratio=0.5, calibration_device="cuda:0").calibration_device == torch.device("cuda:0")
+
+
+def test_the_deprecated_fit_option_still_names_the_decomposition():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = ConvertConfig(param_ratio=0.5, fit="exact")
+        overridden = make_config(config, {"fit": "randomized"})
+    assert config.decomposition == "exact" and overridden.decomposition == "randomized"
+    assert sum(issubclass(w.category, DeprecationWarning) for w in caught) == 2

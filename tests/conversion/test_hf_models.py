@@ -18,7 +18,8 @@ peft = pytest.importorskip("peft")
 pytest.importorskip("safetensors")
 
 import panther_lite  # noqa: E402
-from panther_lite.conversion.saving.pretrained import from_pretrained, save_pretrained  # noqa: E402
+from panther_lite.conversion.saving.loading import from_pretrained  # noqa: E402
+from panther_lite.conversion.saving.pretrained import save_pretrained  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
 
 # PEFT calls a transformers method that transformers 5 deprecates

@@ -1,5 +1,6 @@
 """Calibration data: its accepted forms (an iterable of batches or a callable ``fn(model)``),
-checked once; running one batch through a model; and the eval, no-grad run every stage uses."""
+checked once; running one batch through a model; the eval, no-grad run every stage uses; and
+the input a layer's call receives."""
 from __future__ import annotations
 
 import contextlib
@@ -11,9 +12,15 @@ from torch import Tensor
 
 from .tokens import MaskedCall, batch_token_mask, token_mask
 
-__all__ = ["CalibrationData", "ModelRun", "run_batch", "run_batch_or_callable", "evaluation_run"]
+__all__ = ["CalibrationData", "ModelRun", "run_batch", "run_batch_or_callable", "evaluation_run", "layer_input"]
 
 ModelRun = Callable[[nn.Module], object]
+
+
+def layer_input(args: tuple, kwargs: dict) -> Tensor:
+    """The input of a call to a stock linear/convolution forward (a forward pre-hook's
+    ``args``/``kwargs``): the positional argument or the ``input=`` keyword."""
+    return args[0] if args else kwargs["input"]
 
 
 def run_batch(model: nn.Module, batch, index: Optional[int] = None) -> object:
@@ -87,11 +94,6 @@ class CalibrationData:
     def first_batch(self):
         """The first batch of re-iterable data (None when there is none)."""
         return next(iter(self.source), None)
-
-    def token_masks(self) -> List[Optional[Tensor]]:
-        """The real-token mask of each batch of re-iterable data (None for a batch without
-        one; :func:`~panther_lite.conversion.calibration.tokens.batch_token_mask`), in order."""
-        return [batch_token_mask(batch) for batch in self.source] if self.reiterable else []
 
     def check_sequential(self) -> None:
         """ValueError without calibration data; TypeError unless it is a callable or can be

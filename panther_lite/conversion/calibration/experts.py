@@ -5,9 +5,8 @@ projection and gate) for ``down_proj`` — with the row moments their shrinkage 
 
 An expert that received fewer rows than a projection has inputs cannot be fitted from them
 (its Gram is singular): that projection of that expert is fitted to its weights alone
-("data-free"), and the report lists it. In the global allocation's spectra such an expert
-counts with its weight's own spectrum scaled by its Gram's mean diagonal (its share of the
-calibration data's output energy, without the directions it cannot estimate).
+("data-free"), and the report lists it (the global allocation's spectra of the experts:
+:func:`~panther_lite.conversion.planning.allocation.expert_energies`).
 
 Only real tokens are routed rows here: while a batch's token mask is current
 (:mod:`.tokens`) and the experts' input is the block's ``(batch·seq, hidden)`` flattening of
@@ -26,11 +25,10 @@ from torch import Tensor
 from ...nn.experts_shell import expert_activation
 from ...nn.low_rank_fit import gram_dtype
 from ...nn.validation import check_finite
-from ..planning.allocation import whitened_energy
 from .shrinkage import RowMoments, shrink, shrinkage_intensity
 from .tokens import current_token_mask
 
-__all__ = ["ExpertsRecorder", "expert_energies"]
+__all__ = ["ExpertsRecorder"]
 
 
 class ExpertsRecorder:
@@ -126,26 +124,3 @@ class ExpertsRecorder:
                     stack[e] = shrink(stack[e], strength)
             grams[part.projection] = stack
         return grams
-
-
-def expert_energies(record, recorder: Optional[ExpertsRecorder], setting="auto") -> Dict[str, Tensor]:
-    """``{part name: (E, n) whitened spectra}`` of each projection (see the module docstring),
-    the Grams shrunk as ``setting`` (the config's ``shrinkage``) says; without statistics (or
-    rows), each expert's weight spectrum."""
-    calibrated = recorder is not None and recorder.rows > 0
-    grams = recorder.fit_grams(setting) if calibrated else {}
-    energies = {}
-    for part in record.parts:
-        free = set(recorder.data_free(part)) if calibrated else set()
-        rows = []
-        for e in range(part.copies):
-            weight = part.expert_matrix(e)
-            if not calibrated:
-                rows.append(whitened_energy(weight))
-            elif e in free:
-                scale = float(recorder.grams[part.projection][e].diagonal().mean())
-                rows.append(scale * whitened_energy(weight))
-            else:
-                rows.append(whitened_energy(weight, grams[part.projection][e]))
-        energies[part.name] = torch.stack(rows)
-    return energies

@@ -20,10 +20,9 @@ from torch import Tensor
 
 from ...nn.low_rank_fit import gram_dtype
 from ...nn.validation import all_finite, check_finite
-from ..kinds.base import layer_input
 from ..records import LayerRecord
-from ..rules import progress_bar
-from .batches import CalibrationData, ModelRun, evaluation_run, run_batch, run_batch_or_callable
+from ..progress import progress_bar
+from .batches import CalibrationData, ModelRun, evaluation_run, layer_input, run_batch, run_batch_or_callable
 from .shrinkage import HeldBack, RowMoments, any_checked, layer_strength, shrink
 from .tokens import layer_rows
 
@@ -195,7 +194,7 @@ def _record(
     handles = []
     try:
         for group in groups:
-            leader = group[0].kind.recorder(group[0], device, held_back and any_checked(group))
+            leader = group[0].strategy.recorder(group[0], device, held_back and any_checked(group))
             handles.append(group[0].module.register_forward_pre_hook(leader, with_kwargs=True))
             members = [_SameInput(leader) for _ in group[1:]]
             handles += [r.module.register_forward_pre_hook(m, with_kwargs=True) for r, m in zip(group[1:], members)]

@@ -53,6 +53,13 @@ def freeze(model: nn.Module) -> nn.Module:
     :func:`~panther_lite.save_pretrained` and :func:`~panther_lite.from_pretrained` save and
     rebuild it. A model holding no sketched layer is returned unchanged. The swap is all or
     nothing; a shared layer stays shared. Returns ``model``.
+
+    Examples:
+        >>> import torch.nn as nn, panther_lite
+        >>> sketched = panther_lite.nn.SKLinear(16, 8, num_terms=1, low_rank=2)
+        >>> frozen = panther_lite.freeze(nn.Sequential(sketched, nn.ReLU()))[0]
+        >>> type(frozen).__name__, [type(layer).__name__ for layer in frozen]
+        ('FrozenLinear', ['Linear', 'Linear'])
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

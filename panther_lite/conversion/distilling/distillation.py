@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
@@ -27,25 +26,19 @@ import torch
 import torch.nn as nn
 
 from ...nn.layer_base import SketchedLayer
-from ...nn.validation import check_choice, check_int, check_positive_int
 from ..calibration.batches import evaluation_run
-from ..config import check_holdout, check_lr
+from ..config import configured
 from ..fitting.block_refinement import only_these_train
 from ..fitting.master_weights import HALF_DTYPES, in_float32
 from ..fitting.refinement import best_kept
-from .objective import Objective, check_loss, check_outputs, check_temperature
-from .run import SCHEDULES, RandomTokens, Run, Session, Settings, data_batches, optimise, warmup_steps
+from .config import RANDOM_TOKEN_LENGTH, TRAINABLE, DistillConfig
+from .objective import Objective
+from .run import RandomTokens, Run, Session, data_batches, optimise, warmup_steps
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 __all__ = ["DistillationResult", "RANDOM_TOKEN_LENGTH", "TRAINABLE", "distill", "trained_parameters"]
-
-TRAINABLE = ("factors", "biases", "norms")
-# chosen on validation text (benchmarks/validate_defaults.py): short random sequences teach each
-# token's own mapping across the vocabulary, long ones a random-context mixing no text has
-RANDOM_TOKEN_LENGTH = 4
-
 
 @dataclass(frozen=True)
 class DistillationResult:
@@ -81,16 +74,6 @@ class DistillationResult:
         import pandas as pd
 
         return pd.DataFrame(list(self.history), columns=["step", "train_loss", "held_loss"])
-
-
-def _check_train(train) -> Tuple[str, ...]:
-    names = (train,) if isinstance(train, str) else train
-    if not isinstance(names, Iterable):
-        raise TypeError(f"distill: train must be a str or a sequence of some of {TRAINABLE}, got {train!r}")
-    names = tuple(names)
-    if not names or any(not isinstance(name, str) or name not in TRAINABLE for name in names):
-        raise ValueError(f"distill: train must name one or more of {TRAINABLE}, got {train!r}")
-    return tuple(dict.fromkeys(names))
 
 
 def _check_models(model, teacher) -> None:
@@ -141,38 +124,7 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu") if tensor is None else tensor.device
 
 
-def _settings(max_steps, lr, schedule, patience, eval_every, seed) -> Settings:
-    return Settings(
-        max_steps=check_positive_int("max_steps", max_steps),
-        lr=check_lr(lr, "distill: "),
-        schedule=check_choice("schedule", schedule, SCHEDULES),
-        patience=check_positive_int("patience", patience),
-        eval_every=None if eval_every is None else check_positive_int("eval_every", eval_every),
-        seed=check_int("seed", seed, minimum=0),
-    )
-
-
-def distill(
-    model: nn.Module,
-    teacher: nn.Module,
-    data,
-    *,
-    train: Sequence[str] = ("factors", "biases"),
-    outputs=None,
-    loss="auto",
-    temperature: float = 1.0,
-    tokenizer=None,
-    random_tokens: int = 0,
-    random_token_length: int = RANDOM_TOKEN_LENGTH,
-    max_steps: int = 1000,
-    lr: float = 1e-3,
-    schedule: str = "cosine",
-    holdout: float = 0.25,
-    patience: int = 10,
-    eval_every: Optional[int] = None,
-    seed: int = 0,
-    progress: Optional[bool] = None,
-) -> DistillationResult:
+def distill(model: nn.Module, teacher: nn.Module, data, config: Optional[DistillConfig] = None, **overrides) -> DistillationResult:
     """Train ``model`` (converted, in place) to reproduce ``teacher``'s outputs (the original
     model, never modified); early stopping on held-back batches keeps the best parameters.
 
@@ -184,37 +136,23 @@ def distill(
             (Tensor → ``model(b)``, tuple → ``model(*b)``, dict → ``model(**b)``); each runs
             through both models. A share ``holdout`` of them (with the random-token batches),
             spread evenly, is held back for early stopping; at least two batches in all.
-        train: what trains, one or more of ``"factors"`` (the sketched layers' ``S1``/``S2``,
-            a convolution's ``S``), ``"biases"`` (their biases) and ``"norms"`` (parameters of
-            modules whose class name contains ``Norm``). Everything else stays frozen.
-        outputs: the output compared: None (a Tensor output, else ``logits``, else
-            ``last_hidden_state``, else a tuple's first tensor), a key or attribute name, a
-            tuple position, or a callable ``outputs(model_output) -> Tensor``.
-        loss: ``"auto"`` (``"kl"`` for logits, ``"mse"`` otherwise), ``"kl"``
-            (``T²·KL(softmax(t/T) ‖ softmax(s/T))`` per row), ``"mse"`` (``‖s − t‖²/‖t‖²`` per
-            batch), or a callable ``loss(student, teacher) -> scalar Tensor``. With a 2-D
-            ``attention_mask`` in a dict batch, outputs shaped ``(batch, tokens, …)`` are
-            compared at the real tokens only, reduced to ``(real tokens, …)``.
-        temperature: ``T`` of the ``"kl"`` loss.
-        tokenizer, random_tokens, random_token_length: add ``random_tokens`` sequences of
-            ``random_token_length`` random ordinary tokens
-            (:func:`~panther_lite.conversion.calibration.random_tokens.random_token_batches` with
-            ``seed``, batches of 32) to ``data``, on the model's device (4 tokens by default:
-            on all-MiniLM-L6-v2 out of domain 0.765 against 0.755 with 16, in domain alike;
-            ``benchmarks/validate_defaults.py``). Those that train
-            are drawn afresh for every pass over the training batches (seeds ``seed + 1``,
-            ``seed + 2``, ...); those held back stay.
-        max_steps: most optimizer steps, each on one training batch (reshuffled every pass).
-        lr: Adam's peak learning rate, reached after a linear warm-up over the first 5% of
-            ``max_steps`` (Adam's first steps move every entry by about ``lr``).
-        schedule: after the warm-up, ``"cosine"`` decays the rate to 0 at ``max_steps``;
-            ``"constant"`` keeps it.
-        holdout: fraction in (0, 1) of the batches held back (at least one, at most all but one).
-        patience: stop after this many evaluations without a better held-back loss, counted
-            from the end of the warm-up.
-        eval_every: steps between evaluations (None: one pass over the training batches).
-        seed: the order of the training batches and the random tokens.
-        progress: a tqdm bar over the steps (None: on a terminal only).
+        config: a :class:`~panther_lite.DistillConfig` holding the options (what trains, the
+            loss, random tokens, the optimizer's steps and schedule, early stopping); None for
+            its defaults.
+        **overrides: :class:`~panther_lite.DistillConfig` fields (``max_steps=200``,
+            ``lr=3e-4``, ...) replacing the ``config``'s; an unknown name is a TypeError naming
+            the closest option.
+
+        Examples:
+        >>> import copy, torch, torch.nn as nn, panther_lite
+        >>> teacher = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        >>> model = copy.deepcopy(teacher)
+        >>> batches = [torch.randn(16, 32) for _ in range(4)]
+        >>> _ = panther_lite.convert(model, param_ratio=0.5, calibration_data=batches, progress=False)
+        >>> config = panther_lite.DistillConfig(max_steps=20, lr=1e-2)
+        >>> result = panther_lite.distill(model, teacher, batches, config, progress=False)
+        >>> result.loss_after <= result.loss_before
+        True
 
     Returns:
         :class:`DistillationResult`; the model holds the parameters best on the held-back
@@ -239,13 +177,13 @@ def distill(
         settings out of range (``lr <= 0``, ``holdout`` outside (0, 1), ...).
     """
     start = time.perf_counter()
+    settings = configured(DistillConfig, config, overrides, caller="distill")
     _check_models(model, teacher)
-    train, settings = _check_train(train), _settings(max_steps, lr, schedule, patience, eval_every, seed)
-    objective = Objective(check_outputs(outputs), check_loss(loss), check_temperature(temperature))
-    holdout = check_holdout(holdout, "distill: ")
-    parameters = _checked_parameters(model, teacher, train)
-    random = RandomTokens(tokenizer, random_tokens, random_token_length, settings.seed, _device_of(model))
-    session = Session(model, teacher, data_batches(data), random, holdout, objective)
+    objective = Objective(settings.outputs, settings.loss, settings.temperature)
+    parameters = _checked_parameters(model, teacher, settings.train)
+    random = RandomTokens(settings.tokenizer, settings.random_tokens, settings.random_token_length, settings.seed,
+                          _device_of(model))
+    session = Session(model, teacher, data_batches(data), random, settings.holdout, objective)
     with only_these_train(model, parameters), best_kept(parameters) as best, in_float32(model) as widened:
         session.widen = widened
         with evaluation_run(model):
@@ -253,7 +191,7 @@ def distill(
         if loss_before == math.inf:
             raise ValueError("distill: the held-back loss before training is not finite; check data and the teacher's outputs")
         run = Run(loss_before, warmup=warmup_steps(settings.max_steps), history=[(0, math.nan, loss_before)])
-        optimise(session, parameters, best, run, settings, progress)
+        optimise(session, parameters, best, run, settings, settings.progress)
     return DistillationResult(
         loss_before=loss_before,
         loss_after=run.best_loss,

@@ -12,30 +12,14 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...nn.validation import check_int, check_positive_int
 from ..calibration.batches import evaluation_run, run_batch
 from ..calibration.random_tokens import random_token_batches
 from ..fitting.master_weights import widened
 from ..fitting.refinement import held_back_indices
-from ..rules import progress_bar
+from ..progress import progress_bar
+from .config import DistillConfig
 
-__all__ = ["SCHEDULES", "RandomTokens", "Run", "Session", "Settings", "data_batches", "optimise", "warmup_steps"]
-
-SCHEDULES = ("cosine", "constant")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The loop settings of :func:`~panther_lite.conversion.distilling.distillation.distill`, validated
-    (see its arguments)."""
-
-    max_steps: int
-    lr: float
-    schedule: str
-    patience: int
-    eval_every: Optional[int]
-    seed: int
-
+__all__ = ["RandomTokens", "Run", "Session", "data_batches", "optimise", "warmup_steps"]
 
 def data_batches(data) -> list:
     """``data``'s batches as a list (TypeError naming a bad one)."""
@@ -57,12 +41,8 @@ class RandomTokens:
     """``draw(p)``: ``count`` random-token sequences of ``length`` tokens (seed ``seed + p``)
     in batches of 32 on ``device``."""
 
-    def __init__(self, tokenizer, count, length, seed: int, device: torch.device) -> None:
-        self.count = check_int("random_tokens", count, minimum=0)
-        self.length = check_positive_int("random_token_length", length)
-        if self.count and tokenizer is None:
-            raise ValueError(f"distill: random_tokens={count} needs tokenizer= (the model's tokenizer)")
-        self.tokenizer, self.seed, self.device = tokenizer, seed, device
+    def __init__(self, tokenizer, count: int, length: int, seed: int, device: torch.device) -> None:
+        self.tokenizer, self.count, self.length, self.seed, self.device = tokenizer, count, length, seed, device
 
     def draw(self, draw: int) -> list:
         if not self.count:
@@ -192,7 +172,7 @@ def _step(session: Session, index: int, optimizer) -> Optional[float]:
     return float(loss.detach())
 
 
-def optimise(session: Session, parameters, best: List[Tensor], run: Run, settings: Settings, progress) -> None:
+def optimise(session: Session, parameters, best: List[Tensor], run: Run, settings: DistillConfig, progress) -> None:
     """Train until ``max_steps``, ``patience`` evaluations without a better held-back loss,
     or a non-finite loss, keeping the best parameters in ``best``."""
     optimizer = torch.optim.Adam(parameters, lr=settings.lr)

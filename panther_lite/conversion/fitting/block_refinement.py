@@ -118,5 +118,5 @@ class BlockRefiner:
         if result.error_after < result.error_before:
             for record in fitted.records:
                 fit = fitted.fits[record.name]
-                record.kind.refresh_weight_error(record, fit)
+                record.strategy.refresh_weight_error(record, fit)
                 fit.init = f"{fit.init}+refined"

@@ -1,5 +1,6 @@
 """Fitting: build the sketched replacement of one planned layer from its weight and, with
-calibration, its input Gram; measure how far it is from the dense layer."""
+calibration, its input Gram (layer ``i`` of a plan with the seed :func:`layer_seed` gives it);
+measure how far it is from the dense layer."""
 from __future__ import annotations
 
 import math
@@ -11,6 +12,16 @@ from torch import Tensor
 
 from ...nn.low_rank_fit import relative_error, row_slices
 from ..records import LayerRecord
+
+
+def layer_seed(seed: Optional[int], index: int) -> Optional[int]:
+    """The seed of the fit of layer ``index`` of a plan: ``seed + index`` (None stays None).
+
+    Examples:
+        >>> layer_seed(7, 2), layer_seed(None, 2)
+        (9, None)
+    """
+    return None if seed is None else seed + index
 
 
 @dataclass

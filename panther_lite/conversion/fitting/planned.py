@@ -14,8 +14,8 @@ from ..calibration.shrinkage import note_calibration, shrink
 from ..calibration.tokens import UNALIGNED_NOTE
 from ..config import ConvertConfig
 from ..records import LayerRecord
-from ..rules import layer_seed, progress_bar
-from .layer import FitResult, fit_layer
+from ..progress import progress_bar
+from .layer import FitResult, fit_layer, layer_seed
 from .sequential import fit_sequentially
 
 
@@ -70,7 +70,7 @@ def fit_all(
     for index, record in enumerate(progress_bar(todo, "converting", "layer", progress)):
         recorder = None if calibration is None else calibration.recorders.get(record.name)
         seed = layer_seed(config.seed, first_index + index)
-        fits[record.name] = record.kind.fit(record, recorder, config.init, seed, config.fit, config.shrinkage)
+        fits[record.name] = record.strategy.fit(record, recorder, config.init, seed, config.decomposition, config.shrinkage)
         if calibration is not None:
             calibration.release(record.name)
     return fits
@@ -91,17 +91,17 @@ def fit_planned(
     """Fit ``todo`` as ``config`` asks: from ``calibration``'s Grams, or with ``sequential`` on
     ``batches`` (the calibration data; the partly converted model runs on ``converted_batches``,
     default the same, with the ``prefitted`` modules swapped in). Layer ``i`` of ``todo`` is
-    layer ``first_index + i`` of the plan (:func:`~panther_lite.conversion.rules.layer_seed`);
+    layer ``first_index + i`` of the plan (:func:`~panther_lite.conversion.fitting.layer.layer_seed`);
     ``progress`` shows bars (default: none)."""
     if not config.sequential:
         return fit_all(todo, config, calibration, first_index, progress)
     fits, unreached = fit_sequentially(
         model, todo, batches, seed=layer_seed(config.seed, first_index), device=config.calibration_device,
-        progress=progress, fit=config.fit, converted_batches=converted_batches, prefitted=prefitted,
+        progress=progress, fit=config.decomposition, converted_batches=converted_batches, prefitted=prefitted,
         shrinkage=config.shrinkage,
     )
     for record in unreached:
         warn_uncalibrated(record)
         seed = layer_seed(config.seed, first_index + todo.index(record))
-        fits[record.name] = record.kind.fit(record, None, "svd", seed, config.fit)
+        fits[record.name] = record.strategy.fit(record, None, "svd", seed, config.decomposition)
     return fits

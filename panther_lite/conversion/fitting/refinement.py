@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ...nn.validation import check_positive_int
 from ..config import check_holdout, check_lr
-from ..rules import progress_bar
+from ..progress import progress_bar
 
 __all__ = ["RefinementResult", "best_kept", "held_back_indices", "refine_block"]
 

@@ -46,9 +46,9 @@ from ..calibration.grams import CallOrder, check_finite_inputs, group_layers
 from ..calibration.shrinkage import HeldBack, RowMoments, any_checked, layer_strength, note_calibration, shrink
 from ..calibration.tokens import LayerRows, layer_rows
 from ..records import LayerRecord
-from ..rules import layer_seed, progress_bar
+from ..progress import progress_bar
 from ..surgery import swap_modules, undo_swaps
-from .layer import FitResult
+from .layer import FitResult, layer_seed
 
 RIDGE = 1e-2
 """Ridge of the regression, relative to the mean diagonal of ``G̃``: it pulls ``T`` towards
@@ -252,7 +252,7 @@ def _fit_on_current_inputs(model: nn.Module, record: LayerRecord, fits: Dict[str
     """A layer whose kind cannot be regressed on the original outputs (several weight matrices,
     :attr:`~panther_lite.conversion.kinds.LayerKind.sequential_regression`): its own statistics
     recorded on the inputs the partly converted model gives it, then its kind's fit."""
-    recorder = record.kind.recorder(record, run.device, run.shrinkage == "auto")
+    recorder = record.strategy.recorder(record, run.device, run.shrinkage == "auto")
     stop = _StopAfterGroup([record], run.calls)
     handles = [record.module.register_forward_pre_hook(recorder, with_kwargs=True)]
     handles.append(record.module.register_forward_hook(stop.hook(record)))
@@ -267,7 +267,7 @@ def _fit_on_current_inputs(model: nn.Module, record: LayerRecord, fits: Dict[str
         for handle in handles:
             handle.remove()
         recorder.last_input = None
-    return record.kind.fit(record, recorder, "svd", run.seeds[record.name], run.fit, run.shrinkage)
+    return record.strategy.fit(record, recorder, "svd", run.seeds[record.name], run.fit, run.shrinkage)
 
 
 def _fit_group(model: nn.Module, group: List[LayerRecord], fits: Dict[str, FitResult], run: _Run) -> None:

@@ -1,6 +1,7 @@
-"""The layer-kind protocol: everything conversion knows about one type of dense layer — how it
+"""The layer-kind description: everything conversion knows about one type of dense layer — how it
 is recognised, how its weight and input rows are read, and how its sketched, frozen and dense
-forms are built and saved — so no other stage switches on layer types.
+forms are built and saved — so no other stage switches on layer types. How its layers are
+calibrated, sized and fitted is its strategy's (:mod:`~panther_lite.conversion.kinds.strategy`).
 
 A kind is an instance of a :class:`LayerKind` subclass, registered with
 :func:`~panther_lite.conversion.kinds.register_kind`. :class:`~panther_lite.conversion.kinds.LinearKind`
@@ -9,26 +10,17 @@ serves any layer computing ``x·Wᵀ + b`` (override :meth:`LayerKind.weight_mat
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ...nn.low_rank_fit import relative_error
 from ...nn.validation import check_sketch_rank
+from ..calibration.batches import layer_input
+from ..records import LayerRecord
 
-if TYPE_CHECKING:
-    from ..fitting.layer import FitResult
-    from ..records import LayerRecord
-
-__all__ = ["LayerKind", "layer_input", "balanced_pair", "pair_bias"]
-
-
-def layer_input(args: tuple, kwargs: dict) -> Tensor:
-    """The input of a call to a stock linear/convolution forward: the positional argument or
-    the ``input=`` keyword."""
-    return args[0] if args else kwargs["input"]
+__all__ = ["LayerKind", "balanced_pair", "pair_bias"]
 
 
 def balanced_pair(first: Tensor, second: Tensor) -> Tuple[Tensor, Tensor]:
@@ -144,7 +136,8 @@ class LayerKind:
         return -1, self.weight_matrix(module).shape[1], "last dimension (features)"
 
     def call_input(self, args: tuple, kwargs: dict) -> Tensor:
-        """The input tensor of a call (a forward pre-hook's ``args``/``kwargs``): :func:`layer_input`."""
+        """The input tensor of a call (a forward pre-hook's ``args``/``kwargs``):
+        :func:`~panther_lite.conversion.calibration.batches.layer_input`."""
         return layer_input(args, kwargs)
 
     def read_input(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> Tensor:
@@ -230,56 +223,20 @@ class LayerKind:
         """The dense weight's shape, in the dense layer's own layout, of a sketched or frozen layer."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------------ records, statistics, fits
-    # A kind holding one weight matrix keeps these defaults; one holding several (mixture-of-
-    # experts weights) gives records with one part per matrix stack and its own statistics.
-
+    # ------------------------------------------------------------------ records
     #: Whether ``sequential=True`` regresses the layer on the original outputs (one weight
     #: matrix); a kind that cannot is calibrated on the inputs the partly converted model gives it.
     sequential_regression = True
 
-    def record(self, name: str, module: nn.Module) -> "LayerRecord":
-        """The conversion record of candidate ``module`` named ``name``."""
-        from ..records import LayerRecord
+    #: The name of the strategy that calibrates, sizes and fits this kind's layers
+    #: (:mod:`~panther_lite.conversion.kinds.strategy`): ``"matrix"`` for a kind holding one weight
+    #: matrix, ``"experts"`` for stacks of experts' matrices.
+    strategy = "matrix"
 
+    def record(self, name: str, module: nn.Module) -> LayerRecord:
+        """The conversion record of candidate ``module`` named ``name`` (a kind holding several
+        weight matrices gives a record with one part per matrix stack)."""
         return LayerRecord(name, module, self)
-
-    def recorder(self, record: "LayerRecord", device: Optional[torch.device], held_back: bool = False):
-        """The forward pre-hook (``with_kwargs=True``) accumulating the layer's calibration
-        statistics on ``device`` from the batches' real tokens: a
-        :class:`~panther_lite.conversion.calibration.grams.GramRecorder` (the input Gram, with
-        its held-back half when ``held_back``, for ``shrinkage="auto"``) here. It has
-        ``record``, ``rows`` (0: no batch reached the layer), ``last_input`` and
-        ``statistics()`` (the tensors checked finite after each batch)."""
-        from ..calibration.grams import GramRecorder
-
-        return GramRecorder(record, device, held_back)
-
-    def energies(self, record: "LayerRecord", recorder, config=None) -> Dict[str, Tensor]:
-        """``{part name: squared singular values}`` of each part's whitened weight (the global
-        allocation's spectra, :func:`~panther_lite.conversion.planning.allocation.whitened_energy`)
-        from ``recorder`` (None, or no rows: the weight's own spectrum), its Gram shrunk as the
-        :class:`~panther_lite.conversion.ConvertConfig` ``config`` says (needed with a recorder)."""
-        from ..calibration.grams import spectrum_gram
-        from ..planning.allocation import whitened_energy
-
-        return {record.name: whitened_energy(record.weight_matrix(), spectrum_gram(recorder, record, config))}
-
-    def fit(
-        self, record: "LayerRecord", recorder, init: str, seed: Optional[int], fit: str, shrinkage="auto"
-    ) -> "FitResult":
-        """The fitted sketched layer of ``record`` at its planned size from its ``recorder``
-        (None: from the weight alone), its statistics shrunk as ``shrinkage`` (the config's
-        option) says, with the report's figures."""
-        from ..fitting.planned import fit_from_gram
-
-        return fit_from_gram(record, recorder, init, seed, fit, shrinkage)
-
-    def refresh_weight_error(self, record: "LayerRecord", fit: "FitResult") -> None:
-        """Measure ``fit``'s ``weight_error`` ``‖Ŵ − W‖_F / ‖W‖_F`` again against ``record``'s
-        dense weight (its sketched layer was trained further)."""
-        weight = record.weight_matrix().detach()
-        fit.weight_error = relative_error(fit.module.effective_weight().detach().reshape_as(weight), weight)
 
     # ------------------------------------------------------------------ conversion configs
     def config_entry(self, layer: nn.Module, frozen: bool) -> dict:

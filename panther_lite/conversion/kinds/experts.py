@@ -6,9 +6,10 @@ sketched whole as :class:`~panther_lite.nn.SKExperts` and frozen as
 Its record (:class:`ExpertsRecord`) has one part per projection (:class:`ExpertsPart`): ``E``
 matrices of one shape that share one ``(num_terms, low_rank)`` (the factors are stacked), sized
 on their own by the planners (a global allocation weighs every expert's spectrum), reported on
-a row each. Calibration records a Gram per expert and projection from the rows the router sends
-it (:mod:`~panther_lite.conversion.calibration.experts`), and the fit is
-:mod:`~panther_lite.conversion.fitting.experts`'s. The router stays dense: it is part of the
+a row each. Its strategy (``"experts"``, :mod:`~panther_lite.conversion.kinds.strategy`) records
+a Gram per expert and projection from the rows the router sends it
+(:mod:`~panther_lite.conversion.calibration.experts`), and fits with
+:mod:`~panther_lite.conversion.fitting.experts`. The router stays dense: it is part of the
 block, not of the experts module.
 """
 from __future__ import annotations
@@ -155,6 +156,7 @@ class ExpertsKind(LayerKind):
     projection weights and sketched whole as :class:`~panther_lite.nn.SKExperts`."""
 
     sequential_regression = False
+    strategy = "experts"
 
     def __init__(self) -> None:
         super().__init__("Experts", nn.Module, SKExperts, frozen_type=FrozenExperts, overridden=(), linear=True)
@@ -197,31 +199,9 @@ class ExpertsKind(LayerKind):
         transposed = bool(getattr(module, "is_transposed", False))
         return -1, weight.shape[1 if transposed else 2], "last dimension (hidden size)"
 
-    # ------------------------------------------------------------------ records, statistics, fits
+    # ------------------------------------------------------------------ records
     def record(self, name: str, module: nn.Module) -> ExpertsRecord:
         return ExpertsRecord(name, module, self)
-
-    def recorder(self, record: ExpertsRecord, device: Optional[torch.device], held_back: bool = False):
-        """Per-expert statistics (:class:`~panther_lite.conversion.calibration.experts.ExpertsRecorder`);
-        it keeps no held-back half: ``shrinkage="auto"`` shrinks each expert by its Ledoit–Wolf ``α``."""
-        from ..calibration.experts import ExpertsRecorder
-
-        return ExpertsRecorder(record, device)
-
-    def energies(self, record: ExpertsRecord, recorder, config=None) -> Dict[str, Tensor]:
-        from ..calibration.experts import expert_energies
-
-        return expert_energies(record, recorder, "auto" if config is None else config.shrinkage)
-
-    def fit(self, record: ExpertsRecord, recorder, init: str, seed: Optional[int], fit: str, shrinkage="auto"):
-        from ..fitting.experts import fit_experts
-
-        return fit_experts(record, recorder, init, seed, fit, shrinkage)
-
-    def refresh_weight_error(self, record: ExpertsRecord, fit) -> None:
-        from ..fitting.experts import measure_weights
-
-        measure_weights(record, fit)
 
     # ------------------------------------------------------------------ building
     def build(self, module: nn.Module, num_terms: int, low_rank: int, *, sizes=None, **fit) -> SKExperts:

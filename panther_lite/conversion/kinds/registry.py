@@ -21,6 +21,18 @@ def register_kind(kind: LayerKind, *, replace: bool = False) -> LayerKind:
     serves any layer computing ``x·Wᵀ + b``). Kinds registered later are tried first, so a
     kind for a subclass of ``nn.Linear`` wins over the built-in one.
 
+        Examples:
+        >>> import torch.nn as nn
+        >>> from panther_lite.conversion import LinearKind, register_kind
+        >>> from panther_lite.conversion.kinds import unregister_kind
+        >>> from panther_lite.nn import SKLinear
+        >>> class MyLinear(nn.Linear):
+        ...     pass
+        >>> class SKMyLinear(SKLinear):  # its own built type: a sketched layer names its kind
+        ...     pass
+        >>> kind = register_kind(LinearKind("MyLinear", MyLinear, built_type=SKMyLinear))
+        >>> _ = unregister_kind("MyLinear")
+
     Raises:
         TypeError: ``kind`` is not a LayerKind.
         ValueError: a kind of that name is registered already (pass ``replace=True``).

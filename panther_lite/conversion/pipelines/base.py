@@ -35,7 +35,7 @@ class Conversion:
 
 
 class Pipeline(Protocol):
-    """How a conversion is carried out, in three steps that :func:`~panther_lite.conversion.api.run_pipeline`
+    """How a conversion is carried out, in three steps that :func:`~panther_lite.conversion.workflows.convert.run_pipeline`
     calls in order (nothing in the model changes before :meth:`fit`, which swaps all or nothing).
 
     ``description``: ``"<name>: <why or what>"``, the report's ``attrs["pipeline"]``.

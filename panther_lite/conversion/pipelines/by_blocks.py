@@ -39,7 +39,7 @@ from ..fitting.planned import fit_planned
 from ..planning.sensitivity import block_output_gains
 from ..planning.sizes import PlanNote, plan_uniform
 from ..records import LayerRecord
-from ..rules import progress_bar
+from ..progress import progress_bar
 from ..surgery import SwapLog, swap_modules, undo_swaps
 from .base import Conversion
 from .blocks import BlockList, BlockRunner, block_device, block_on, run_block

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..calibration.batches import evaluation_run, run_batch
 from ..calibration.tokens import MaskedCall, batch_token_mask, with_masks
 from ..records import LayerRecord
-from ..rules import progress_bar
+from ..progress import progress_bar
 from .blocks import (
     BlockCall, BlockList, block_device, hidden_states, move_call, output_hidden, with_hidden, without_kv_cache,
 )

@@ -23,7 +23,7 @@ from ..planning.global_plan import plan_global
 from ..planning.sensitivity import output_gains
 from ..planning.sizes import PlanNote, rank_multiple_for
 from ..records import LayerRecord
-from ..rules import progress_bar
+from ..progress import progress_bar
 from .blocks import BlockList, BlockRunner, run_block
 from .capture import BlockCalls, Materialise
 
@@ -38,7 +38,7 @@ def _spectra(model: nn.Module, pooled: List[LayerRecord], data: CalibrationData,
     energies = {}
     for record in pooled:
         recorder = calibration.recorders.get(record.name)
-        energies.update(record.kind.energies(record, recorder, config))
+        energies.update(record.strategy.energies(record, recorder, config))
         calibration.release(record.name)
     return energies, output_gains(model, pooled, calibration.replay)
 

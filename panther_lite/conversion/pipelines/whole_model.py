@@ -38,7 +38,7 @@ class WholeModel:
         if pooled:
             recorders = {} if calibration is None else calibration.recorders
             energies = {
-                name: energy for r in pooled for name, energy in r.kind.energies(r, recorders.get(r.name), config).items()
+                name: energy for r in pooled for name, energy in r.strategy.energies(r, recorders.get(r.name), config).items()
             }
             replay = None if calibration is None else calibration.replay
             gains = {} if replay is None else output_gains(model, pooled, replay)

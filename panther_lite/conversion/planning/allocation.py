@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -38,6 +38,7 @@ from ...nn.rank_selection import dense_size, sketch_size
 
 __all__ = [
     "LayerSpectrum", "Allocation", "BudgetTooSmall", "allocate_budget", "minimum_stored", "largest_sketch", "whitened_energy",
+    "expert_energies",
 ]
 
 _BUDGET_STEPS = 4096
@@ -263,3 +264,29 @@ def allocate_budget(layers: Sequence[LayerSpectrum], budget: float, *, num_terms
     chosen = _knapsack(menus, budget)
     _fill(menus, chosen, budget - sum(menu.costs[i] for menu, i in zip(menus, chosen)))
     return [Allocation(menu.ranks[i], menu.costs[i], menu.errors[i]) for menu, i in zip(menus, chosen)]
+
+
+def expert_energies(record, recorder, setting="auto") -> Dict[str, Tensor]:
+    """``{part name: (E, n) whitened spectra}`` of each projection of a mixture of experts from its
+    :class:`~panther_lite.conversion.calibration.experts.ExpertsRecorder`, the Grams shrunk as
+    ``setting`` (the config's ``shrinkage``) says; without statistics (or rows), each expert's
+    weight spectrum. An expert fitted data-free counts with its weight's own spectrum scaled by
+    its Gram's mean diagonal (its share of the calibration data's output energy, without the
+    directions it cannot estimate)."""
+    calibrated = recorder is not None and recorder.rows > 0
+    grams = recorder.fit_grams(setting) if calibrated else {}
+    energies = {}
+    for part in record.parts:
+        free = set(recorder.data_free(part)) if calibrated else set()
+        rows = []
+        for e in range(part.copies):
+            weight = part.expert_matrix(e)
+            if not calibrated:
+                rows.append(whitened_energy(weight))
+            elif e in free:
+                scale = float(recorder.grams[part.projection][e].diagonal().mean())
+                rows.append(scale * whitened_energy(weight))
+            else:
+                rows.append(whitened_energy(weight, grams[part.projection][e]))
+        energies[part.name] = torch.stack(rows)
+    return energies

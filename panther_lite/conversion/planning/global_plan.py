@@ -107,7 +107,7 @@ def _energy(record: LayerRecord, part: LayerRecord, grams: Dict[str, Optional[Te
         return energies[part.name]
     if part is record:
         return whitened_energy(record.weight_matrix(), grams.get(record.name))
-    return record.kind.energies(record, None)[part.name]
+    return record.strategy.energies(record, None)[part.name]
 
 
 def _usable_gains(gains: Dict[str, float]) -> Dict[str, float]:

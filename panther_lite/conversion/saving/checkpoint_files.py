@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from ...extras import require
-from .pretrained import _parameters_on_meta
+from .loading import parameters_on_meta
 from .weight_files import SHARD_INDEX_NAME, WEIGHTS_NAME
 
 __all__ = ["CheckpointFiles", "auto_class_for", "SAFETENSORS_DTYPES"]
@@ -135,7 +135,7 @@ class CheckpointFiles:
     def skeleton(self, dtype: Optional[torch.dtype] = None) -> nn.Module:
         """The model the checkpoint holds, in eval mode, built in ``dtype`` (None: :meth:`default_dtype`)
         with its parameters on the meta device (buffers its ``__init__`` computes stay real)."""
-        with _parameters_on_meta():
+        with parameters_on_meta():
             model = self.auto_class.from_config(self.config, dtype=dtype or self.default_dtype())
         return model.eval()
 

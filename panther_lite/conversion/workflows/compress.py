@@ -19,20 +19,20 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from ...extras import require
-from ..api import convert, run_pipeline
+from ...version import __version__
 from ..calibration.batches import CalibrationData
-from ..config import ConvertConfig, make_config
+from ..config import ConvertConfig
 from ..fitting.block_refinement import REFINEMENT_COLUMNS
-from ..pipelines.base import Conversion
 from ..pipelines.blocks import without_kv_cache
 from ..pipelines.out_of_core import choose_out_of_core
-from ..selection import mark_unconvertible, select_layers
-from .checkpoint_files import CheckpointFiles
-from .pretrained import save_pretrained, save_transformers_config
-from .resume_state import RunState
-from .serialization import conversion_config
-from .shards import finalize_shards
-from .staging import staged_directory
+from .convert import convert, run_pipeline
+from .setup import conversion_job, conversion_options
+from ..saving.checkpoint_files import CheckpointFiles
+from ..saving.pretrained import save_pretrained, save_transformers_config
+from ..saving.resume_state import RunState
+from ..saving.serialization import conversion_config
+from ..saving.shards import finalize_shards
+from ..saving.staging import staged_directory
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 __all__ = ["compress_checkpoint", "REPORT_CSV", "REPORT_PNG", "REFINEMENT_CSV"]
 
 REPORT_CSV, REPORT_PNG, REFINEMENT_CSV = "report.csv", "report.png", "refinement.csv"
-_OWN_OPTIONS = {"dtype": None, "overwrite": False, "in_memory": False}
 _COPIED = ("generation_config.json",)
 Distiller = Callable[[torch.nn.Module, torch.nn.Module, Path], object]
 """``distill(model, teacher, directory)``: trains the converted ``model`` against ``teacher``
@@ -72,8 +71,6 @@ def _data_digest(source) -> str:
 
 
 def _fingerprint(files: CheckpointFiles, config: ConvertConfig, data: CalibrationData, own: dict) -> dict:
-    from ... import __version__
-
     versions = {"panther_lite": __version__, "torch": torch.__version__}
     return dict(checkpoint=files.fingerprint(), options=_options_record(config, own), data=_data_digest(data.source),
                 versions=versions)
@@ -84,7 +81,7 @@ def _write_reports(report: "pd.DataFrame", directory: Path, title: str) -> None:
     instead when matplotlib, the ``[bench]`` extra, is missing: the model is written without it)."""
     import pandas as pd
 
-    from .report_plot import plot_conversion_report
+    from ..report_plot import plot_conversion_report  # pandas and matplotlib: imported when a report is written
 
     report.to_csv(directory / REPORT_CSV, index=False)
     if "refinement" in report.attrs:
@@ -135,9 +132,7 @@ def _convert_into(
 ) -> "pd.DataFrame":
     """Convert the checkpoint into ``directory``: streamed when it can be, else loaded whole."""
     model = files.skeleton(dtype)
-    records = select_layers(model, config.target_modules, config.exclude_modules, config.filter_fn)
-    mark_unconvertible(model, records, meta_loaded_later=True)
-    job = Conversion(model, config, data, records)
+    job = conversion_job(model, config, data, meta_loaded_later=True)
     if in_memory or distill is not None:
         pipeline, why = None, "in_memory=True" if in_memory else "distill trains the whole model against the original"
     else:
@@ -166,7 +161,8 @@ def _check_dtype(dtype) -> Optional[torch.dtype]:
 
 def compress_checkpoint(
     model_dir, output_dir, *, calibration_data, config: Optional[ConvertConfig] = None, resume: bool = False,
-    distill: Optional[Distiller] = None, **options,
+    distill: Optional[Distiller] = None, dtype: Optional[torch.dtype] = None, overwrite: bool = False,
+    in_memory: bool = False, **options,
 ) -> "pd.DataFrame":
     """Convert the transformers checkpoint in ``model_dir`` (:func:`~panther_lite.convert`'s
     conversion) into ``output_dir`` without loading the model whole, so models larger than
@@ -196,37 +192,50 @@ def compress_checkpoint(
         output_dir: where to write; must not be, hold or lie inside ``model_dir``.
         calibration_data: a list of batches (``model(**batch)`` for a dict, ...) as for ``convert``.
         config: a :class:`~panther_lite.ConvertConfig` (None: its defaults), as for ``convert``.
-        **options: its fields as overrides, as for ``convert``; also ``dtype`` (None: the
-            checkpoint's), ``overwrite`` (replace a non-empty ``output_dir``) and ``in_memory``
-            (load the model whole and convert it in memory).
+        **options: its fields as overrides, as for ``convert``.
         resume: continue the run a staging directory holds (with none, start afresh).
+        dtype: the dtype the model is loaded and converted in (None: the checkpoint's), a
+            floating-point ``torch.dtype``.
+        overwrite: replace a non-empty ``output_dir``.
+        in_memory: load the model whole and convert it in memory.
         distill: None, or a callable ``(model, teacher, directory)`` run after the conversion and
             before the model is saved, e.g. one calling :func:`~panther_lite.distill`: the
             checkpoint is then loaded whole and a copy of it kept as ``teacher`` (the original),
             so both models are in memory; ``directory`` is the staged output.
 
+    Examples:
+        >>> import tempfile, torch, transformers, panther_lite
+        >>> config = transformers.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        >>> source, output = tempfile.mkdtemp(), tempfile.mkdtemp() + "/out"
+        >>> transformers.LlamaForCausalLM(config).save_pretrained(source)
+        >>> batches = [dict(input_ids=torch.randint(0, 40, (2, 8))) for _ in range(2)]
+        >>> report = panther_lite.compress_checkpoint(source, output, calibration_data=batches,
+        ...     param_ratio=0.5, progress=False)
+        >>> report.attrs["pipeline"].split(":")[0]
+        'out of core'
+
     Returns:
         ``convert``'s report; ``attrs["pipeline"]`` says which pipeline ran and why.
     """
-    own = {name: options.pop(name, default) for name, default in _OWN_OPTIONS.items()}
-    dtype = _check_dtype(own["dtype"])
+    dtype = _check_dtype(dtype)
+    for name, flag in (("resume", resume), ("overwrite", overwrite), ("in_memory", in_memory)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"compress_checkpoint: {name} must be True or False, got {flag!r}")
     if distill is not None and not callable(distill):
         raise TypeError(f"distill must be None or a callable (model, teacher, directory), got {type(distill).__name__}")
-    config = make_config(config, options, caller="compress_checkpoint")
-    data = CalibrationData(calibration_data)
-    if config.sequential:
-        data.check_sequential()
+    config, data = conversion_options(config, options, calibration_data, caller="compress_checkpoint")
     for name, path in (("model_dir", model_dir), ("output_dir", output_dir)):
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(path).__name__}")
     files = CheckpointFiles(Path(model_dir))
     dtype = dtype or files.default_dtype()
-    fingerprint = _fingerprint(files, config, data, {**own, "dtype": str(dtype)})
+    fingerprint = _fingerprint(files, config, data, {"dtype": str(dtype), "overwrite": overwrite, "in_memory": in_memory})
     inputs = {"MODEL_DIR": Path(model_dir)}
-    with staged_directory(Path(output_dir), bool(own["overwrite"]), inputs, resume) as staging:
+    with staged_directory(Path(output_dir), overwrite, inputs, resume) as staging:
         state = RunState(staging.path, fingerprint)
         try:
-            report = _convert_into(files, dtype, config, data, state, staging.path, bool(own["in_memory"]), distill)
+            report = _convert_into(files, dtype, config, data, state, staging.path, in_memory, distill)
         except BaseException:
             staging.keep = state.holds_work
             state.close()

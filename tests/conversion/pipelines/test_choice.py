@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import panther_lite
-from panther_lite.conversion.api import run_pipeline
+from panther_lite.conversion.workflows.convert import run_pipeline
 from panther_lite.conversion.calibration.batches import CalibrationData
 from panther_lite.conversion.pipelines import ByBlocks, Conversion, WholeModel, choose_pipeline
 from panther_lite.conversion.planning.sizes import plan_uniform

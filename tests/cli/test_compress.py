@@ -1,8 +1,8 @@
 """``python -m panther_lite compress``: end to end on tiny transformers checkpoints saved to
 disk (GPT-2, LLaMA, BERT), streamed block by block, the reloaded model against one converted
 in-process, and every kind of bad input ending in one message, a non-zero exit and nothing
-written (the resumable runs are tests/conversion/test_compress_checkpoint.py's and
-tests/test_command_safety.py's)."""
+written (the resumable runs are tests/conversion/workflows/test_compress.py's and
+tests/cli/test_compress_safety.py's)."""
 from __future__ import annotations
 
 import os
@@ -25,12 +25,12 @@ from panther_lite.cli import compress as compress_module  # noqa: E402
 from panther_lite.cli import distilling as distilling_module  # noqa: E402
 from panther_lite.cli import main  # noqa: E402
 from panther_lite.conversion.pipelines import out_of_core  # noqa: E402
-from panther_lite.conversion.saving import compress as compress_library  # noqa: E402
+from panther_lite.conversion.workflows import compress as compress_library  # noqa: E402
 from panther_lite.cli.checkpoint import calibration_batches, read_samples  # noqa: E402
 from panther_lite.conversion.saving.checkpoint_files import auto_class_for  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RATIO_ARGS = ["--param-ratio", "0.5", "--fit", "exact", "--quiet"]
 MODELS = ["gpt2", "llama", "bert"]  # the tiny checkpoints of the ``checkpoints`` fixture (tests/conftest.py)
 AUTO_CLASSES = {"gpt2": "AutoModelForCausalLM", "llama": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM"}
@@ -67,7 +67,7 @@ def test_compress_writes_a_model_that_from_pretrained_reloads_as_convert_made_it
 ):
     output = tmp_path / "out"
     assert main(_argv(checkpoints[name], text_file, output, *RATIO_ARGS)) == 0
-    expected, batches, report = _converted_in_process(checkpoints[name], text_file, param_ratio=0.5, fit="exact")
+    expected, batches, report = _converted_in_process(checkpoints[name], text_file, param_ratio=0.5, decomposition="exact")
     assert capsys.readouterr().out.strip() == report.attrs["summary"]
     assert {"config.json", "model.safetensors.index.json", "panther_lite_config.json", "tokenizer.json", "report.csv",
             "report.png", "model-00003-of-00003.safetensors"} <= {path.name for path in output.iterdir()}  # streamed
@@ -132,7 +132,7 @@ def test_distill_trains_the_converted_model_against_the_original_as_distill_does
     assert history["held_loss"].min() < history["held_loss"].iloc[0]
 
     teacher = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoints["llama"])).eval()
-    expected, batches, _ = _converted_in_process(checkpoints["llama"], text_file, param_ratio=0.5, fit="exact")
+    expected, batches, _ = _converted_in_process(checkpoints["llama"], text_file, param_ratio=0.5, decomposition="exact")
     result = panther_lite.distill(expected, teacher, batches, max_steps=4, progress=False)
     assert history["held_loss"].tolist() == pytest.approx([h for _, _, h in result.history], rel=1e-6)
     reloaded = panther_lite.from_pretrained(transformers.AutoModelForCausalLM, output).eval()

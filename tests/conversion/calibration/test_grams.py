@@ -98,6 +98,7 @@ CALIBRATION_DEVICES = [
 @pytest.mark.parametrize("model_device", CALIBRATION_DEVICES)
 def test_calibration_device_holds_grams_there_with_the_same_fit(monkeypatch, model_device):
     calibration = importlib.import_module("panther_lite.conversion.calibration.grams")
+    strategy = importlib.import_module("panther_lite.conversion.kinds.strategy")
     recorded = []
 
     class Recording(calibration.GramRecorder):
@@ -105,7 +106,7 @@ def test_calibration_device_holds_grams_there_with_the_same_fit(monkeypatch, mod
             super().__init__(*args, **kwargs)
             recorded.append(self)
 
-    monkeypatch.setattr(calibration, "GramRecorder", Recording)
+    monkeypatch.setattr(strategy, "GramRecorder", Recording)  # the matrix strategy builds the recorders
     x = torch.randn(6, 3, 5, 5, dtype=torch.float64, device=model_device)
     results = {}
     for calibration_device in (None, "cpu"):
@@ -221,6 +222,7 @@ def test_grams_wider_than_2048_inputs_are_recorded_in_float32(monkeypatch):
     """A Gram over 4M entries is accumulated in float32 (half the memory of float64) and still
     equals the float64 ``XᵀX`` to float32 rounding; narrower ones stay float64."""
     calibration = importlib.import_module("panther_lite.conversion.calibration.grams")
+    strategy = importlib.import_module("panther_lite.conversion.kinds.strategy")
     recorded = {}
 
     class Recording(calibration.GramRecorder):
@@ -228,7 +230,7 @@ def test_grams_wider_than_2048_inputs_are_recorded_in_float32(monkeypatch):
             recorded[self.record.name] = self.gram.clone()
             return super().finite_gram()
 
-    monkeypatch.setattr(calibration, "GramRecorder", Recording)
+    monkeypatch.setattr(strategy, "GramRecorder", Recording)  # the matrix strategy builds the recorders
     model = nn.Sequential(nn.Linear(2050, 8), nn.Linear(8, 4)).double()
     x = torch.randn(2, 3, 2050, dtype=torch.float64)
     convert(model, num_terms=1, low_rank=1, calibration_data=[x[:1], x[1:]], progress=False)

@@ -24,13 +24,13 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .api import convert_undoable
-from .calibration.batches import CalibrationData
-from .config import ConvertConfig, make_config
-from .kinds import frozen_types, sketched_types
-from .planning.allocation import BudgetTooSmall
-from .rules import progress_bar
-from .surgery import stored_numel, undo_swaps
+from .convert import convert_undoable
+from ..calibration.batches import CalibrationData
+from ..config import ConvertConfig, make_config
+from ..kinds import frozen_types, sketched_types
+from ..planning.allocation import BudgetTooSmall
+from ..progress import progress_bar
+from ..surgery import stored_numel, undo_swaps
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -231,6 +231,16 @@ def tune(
         **convert_kwargs: ConvertConfig options (``target_modules``, ``num_terms``,
             ``sequential``, ``allocation`` — default ``"global"`` without a ``config`` — ...),
             replacing the ``config``'s; not the sizes, which tune chooses.
+
+        Examples:
+        >>> import torch, torch.nn as nn, panther_lite
+        >>> torch.manual_seed(0) and None
+        >>> model, x = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(64, 32)
+        >>> reference = model(x).detach()
+        >>> score = lambda m: -nn.functional.mse_loss(m(x), reference).item()
+        >>> result = panther_lite.tune(model, score, tolerance=0.05, calibration_data=[x])
+        >>> 0 < result.attrs["tune_budget"] <= 1
+        True
 
     Returns:
         The report of the final :func:`~panther_lite.convert` (all layers "kept dense" when

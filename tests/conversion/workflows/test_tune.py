@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from panther_lite.conversion import convert
-from panther_lite.conversion.tuning import bisect_budget, tune
+from panther_lite.conversion.workflows.tune import bisect_budget, tune
 from panther_lite.figures import plot_search
 from panther_lite.nn import SKLinear
 

@@ -9,8 +9,8 @@ from typing import Union
 import numpy as np
 import pandas as pd
 
-from ...figures import new_figure, save_figure
-from ..records import CONVERTED
+from ..figures import new_figure, save_figure
+from .records import CONVERTED
 
 __all__ = ["plot_conversion_report"]
 

@@ -14,7 +14,8 @@ import torch.nn as nn
 pytest.importorskip("safetensors")
 
 import panther_lite  # noqa: E402
-from panther_lite.conversion.saving.pretrained import PRETRAINED_CONFIG_NAME, from_pretrained, save_pretrained  # noqa: E402
+from panther_lite.conversion.saving.loading import from_pretrained  # noqa: E402
+from panther_lite.conversion.saving.pretrained import PRETRAINED_CONFIG_NAME, save_pretrained  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
 
 

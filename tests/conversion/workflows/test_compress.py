@@ -27,7 +27,7 @@ from panther_lite.conversion.pipelines.skeleton_parts import SkeletonParts  # no
 from panther_lite.conversion.saving.resume_state import RunState  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 VOCAB = 40
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:.*gradient_checkpointing")]
 

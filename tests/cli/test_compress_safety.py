@@ -19,7 +19,7 @@ pytest.importorskip("safetensors")
 
 from panther_lite.cli import main  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["--param-ratio", "0.5", "--fit", "exact", "--quiet", "--max-samples", "4"]
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,7 +8,7 @@ import panther_lite
 from panther_lite.conversion.calibration.batches import CalibrationData
 from panther_lite.conversion.calibration.grams import collect_grams
 from panther_lite.conversion.kinds import kind_of
-from panther_lite.conversion.records import LayerRecord
+from panther_lite.conversion.kinds.strategy import new_record
 
 VOCAB, WIDTH = 40, 12
 
@@ -59,7 +59,7 @@ def model():
 
 def record(m, name):
     module = m.get_submodule(name)
-    return LayerRecord(name, module, kind_of(module))
+    return new_record(kind_of(module), name, module)
 
 
 def converted_weights(batches, **options):

@@ -1,4 +1,4 @@
-"""``convert`` and ``densify``: one-call model surgery — config → selection → pipeline (plan,
+"""The convert workflow: ``convert`` and ``densify``, one-call model surgery — config → selection → pipeline (plan,
 fit and swap) → run check → report.
 
 Sizes: a dense layer with ``fan_in`` inputs (``in_features``, or ``C_in·kh·kw`` for a
@@ -12,17 +12,18 @@ from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import torch.nn as nn
 
-from .calibration.batches import CalibrationData, ModelRun, run_batch
-from .config import ConvertConfig, make_config
-from .kinds import converted_kind, sketched_types
-from .pipelines.base import Conversion, Pipeline
-from .pipelines.choice import choose_pipeline
-from .planning.sizes import PlanNote
-from .planning.speed import keep_slower_layers_dense
-from .report import build_report
-from .selection import frozen_layers, mark_unconvertible, name_preview, select_layers
-from .surgery import SwapLog, restores_buffers_on_error, stored_numel, swap_modules, undo_swaps
-from .verification import check_converted_model_runs
+from ..calibration.batches import ModelRun, run_batch
+from ..config import ConvertConfig
+from ..kinds import converted_kind, sketched_types
+from ..pipelines.base import Conversion, Pipeline
+from ..pipelines.choice import choose_pipeline
+from ..planning.sizes import PlanNote
+from ..planning.speed import keep_slower_layers_dense
+from ..report import build_report
+from ..selection import frozen_layers, name_preview
+from ..surgery import SwapLog, restores_buffers_on_error, stored_numel, swap_modules, undo_swaps
+from ..verification import check_converted_model_runs
+from .setup import conversion_job, conversion_options
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -61,6 +62,15 @@ def convert(
             in a config give the same model bit for bit. An unknown name is a TypeError
             naming the closest option.
 
+        Examples:
+        >>> import torch, torch.nn as nn, panther_lite
+        >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+        >>> batches = [torch.randn(32, 64) for _ in range(2)]
+        >>> report = panther_lite.convert(model, param_ratio=0.5, calibration_data=batches, progress=False)
+        >>> list(report["status"]), type(model[0]).__name__
+        (['converted', 'converted'], 'SKLinear')
+        >>> config = panther_lite.ConvertConfig(param_ratio=0.5, allocation="global")  # the same options, kept
+
     Returns:
         A DataFrame, one row per selected layer (``REPORT_COLUMNS``): ``status``
         (``"converted"``, ``"kept dense"`` or ``"skipped"``) with its ``reason``, sizes
@@ -95,13 +105,8 @@ def convert_undoable(
     :func:`~panther_lite.conversion.surgery.undo_swaps` reverts (``tune`` tries budgets so)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    config = make_config(config, overrides)
-    data = CalibrationData(calibration_data)
-    if config.sequential:
-        data.check_sequential()
-    records = select_layers(model, config.target_modules, config.exclude_modules, config.filter_fn)
-    mark_unconvertible(model, records)
-    job = Conversion(model, config, data, records)
+    config, data = conversion_options(config, overrides, calibration_data)
+    job = conversion_job(model, config, data)
     return run_pipeline(job, choose_pipeline(job), example_inputs)
 
 
@@ -157,7 +162,15 @@ def densify(model: nn.Module) -> nn.Module:
     ``Conv1D`` again, ``(in, out)`` weight, or an ``nn.Linear`` when transformers cannot be
     imported). Returns ``model``, or the dense layer itself when ``model`` is a sketched
     layer (a root cannot be replaced in place). A model holding frozen layers
-    (:func:`~panther_lite.freeze`, one-way) is a ValueError, nothing changed."""
+    (:func:`~panther_lite.freeze`, one-way) is a ValueError, nothing changed.
+
+    Examples:
+        >>> import torch.nn as nn, panther_lite
+        >>> model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        >>> _ = panther_lite.convert(model, num_terms=1, low_rank=2, progress=False)
+        >>> type(panther_lite.densify(model)[0]).__name__
+        'Linear'
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     frozen = frozen_layers(model)

@@ -17,7 +17,7 @@ from panther_lite.conversion import FrozenLinear, LinearKind
 from panther_lite.conversion.kinds import kind_of, unregister_kind
 from panther_lite.nn import SKLinear
 
-WORKFLOWS = Path(__file__).resolve().parents[2] / "docs" / "workflows.rst"
+WORKFLOWS = Path(__file__).resolve().parents[3] / "docs" / "workflows.rst"
 
 
 def _documented_example() -> str:

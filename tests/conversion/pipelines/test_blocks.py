@@ -191,7 +191,7 @@ def test_calibration_on_the_gpu_converts_a_cpu_model_as_on_the_cpu():
     """The model stays on the CPU; each block visits the GPU only while it is calibrated."""
     model, batches = _llama(), _batches(2)
     on_cpu, on_gpu = copy.deepcopy(model), copy.deepcopy(model)
-    options = dict(param_ratio=0.5, calibration_data=batches, progress=False, fit="exact", sequential=True)
+    options = dict(param_ratio=0.5, calibration_data=batches, progress=False, decomposition="exact", sequential=True)
     panther_lite.convert(on_cpu, **options)
     report = panther_lite.convert(on_gpu, calibration_device="cuda", **options)
     assert report.attrs["pipeline"].startswith("block pipeline")
