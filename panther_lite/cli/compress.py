@@ -256,7 +256,7 @@ def _calibration(args: argparse.Namespace, tokenizer, files: CheckpointFiles, sa
 
 def _evaluate_output(evaluation: Evaluation, args: argparse.Namespace, report) -> None:
     """``--eval``: the compressed output's perplexity (streamed from OUT_DIR), written beside it and printed."""
-    from ..conversion.saving.report_plot import plot_conversion_report
+    from ..conversion.report_plot import plot_conversion_report
 
     with quiet_optional_imports(), _warnings_on_one_line():
         evaluation.measure("compressed", args.output, args.quiet)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..conversion.saving.compress import REPORT_PNG
+from ..conversion.workflows.compress import REPORT_PNG
 from ..evaluation import DEFAULT_MAX_SEQ_LEN, Perplexity, perplexity
 from .arguments import positive_int
 from .checkpoint import CommandError

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..conversion.calibration.batches import evaluation_run
-from ..conversion.rules import progress_bar
+from ..conversion.progress import progress_bar
 from ..nn.validation import check_positive_int
 from .streamed import streamed_model
 from .windows import Windows, token_windows

@@ -16,7 +16,7 @@ import torch.nn as nn
 from ..conversion.pipelines.blocks import BlockList, repeated_block_list
 from ..conversion.pipelines.skeleton_parts import SkeletonParts
 from ..conversion.saving.checkpoint_files import CheckpointFiles
-from ..conversion.saving.pretrained import PRETRAINED_CONFIG_NAME
+from ..conversion.saving.pretrained_format import PRETRAINED_CONFIG_NAME
 from ..conversion.saving.serialization import apply_conversion_config
 
 __all__ = ["streamed_model"]
