@@ -5,8 +5,6 @@ meta device, the tensors of one part read on demand, and a fingerprint of the wh
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -15,15 +13,10 @@ import torch.nn as nn
 
 from ...extras import require
 from .pretrained import _parameters_on_meta
-from .weight_files import SHARD_INDEX_NAME, WEIGHTS_NAME
+from .weight_files import SAFETENSORS_DTYPES, SHARD_INDEX_NAME, WEIGHTS_NAME, read_header, shard_paths
 
 __all__ = ["CheckpointFiles", "auto_class_for", "SAFETENSORS_DTYPES"]
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
 _SAMPLES, _SAMPLE_BYTES = 16, 1 << 16  # content sampled per file for the fingerprint
 
 
@@ -60,21 +53,6 @@ def auto_class_for(config) -> type:
     return own
 
 
-def read_header(path: Path) -> Tuple[dict, int]:
-    """``(tensor entries, offset of the data)`` of a safetensors file, from its header alone
-    (``{name: {"dtype", "shape", "data_offsets"}}``); ValueError naming the file when it is not one."""
-    try:
-        with open(path, "rb") as file:
-            size = struct.unpack("<Q", file.read(8))[0]
-            header = json.loads(file.read(size))
-    except (OSError, struct.error, ValueError, UnicodeDecodeError, MemoryError) as error:
-        raise ValueError(f"{str(path)!r} is not a readable safetensors file (truncated or corrupt?): {error}") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{str(path)!r} is not a safetensors file: its header is not a JSON object")
-    header.pop("__metadata__", None)
-    return header, 8 + size
-
-
 def _weight_files(directory: Path) -> List[Path]:
     """The safetensors files holding the checkpoint's tensors (one file, or the shards its index
     names; none when it has neither, e.g. weights in PyTorch's pickle format only)."""
@@ -88,15 +66,7 @@ def _weight_files(directory: Path) -> List[Path]:
                 "pytorch_model.bin"
             )
         return []
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        names = sorted(set(weight_map.values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"{str(index)!r} is not a shard index (a JSON object with a weight_map): {error}") from None
-    missing = [name for name in names if not (directory / name).is_file()]
-    if missing:
-        raise ValueError(f"{str(index)!r} names shards that are missing: {missing[:5]}")
-    return [directory / name for name in names]
+    return shard_paths(directory)
 
 
 class CheckpointFiles:
@@ -150,14 +120,19 @@ class CheckpointFiles:
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         """The tensors ``names`` (all held by the checkpoint), each file opened once and closed
         again (its pages leave the process's memory with it)."""
-        safe_open = require("safetensors", "reading a transformers checkpoint").safe_open
+        safetensors = require("safetensors", "reading a transformers checkpoint")
         by_file: Dict[Path, List[str]] = {}
         for name in names:
             by_file.setdefault(self.tensors[name][0], []).append(name)
         tensors = {}
         for path, wanted in by_file.items():
-            with safe_open(str(path), framework="pt", device="cpu") as file:
-                tensors.update({name: file.get_tensor(name) for name in wanted})
+            try:
+                with safetensors.safe_open(str(path), framework="pt", device="cpu") as file:
+                    tensors.update({name: file.get_tensor(name) for name in wanted})
+            except (safetensors.SafetensorError, OSError, RuntimeError, ValueError) as error:
+                raise ValueError(
+                    f"{str(path)!r} could not be read (changed, truncated or corrupt since it was opened?): {error}"
+                ) from None
         return tensors
 
     def fingerprint(self) -> str:

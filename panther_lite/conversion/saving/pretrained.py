@@ -38,7 +38,7 @@ import torch.nn as nn
 from ...extras import require
 from ..deploy.quantized import check_storable, warn_if_quantized_beside
 from .serialization import apply_conversion_config, conversion_config
-from .weight_files import WEIGHTS_NAME, load_weights_file, read_weights
+from .weight_files import SHARD_INDEX_NAME, WEIGHTS_NAME, load_weights_file, read_header, read_json, read_weights, shard_paths
 
 __all__ = ["save_pretrained", "from_pretrained", "PRETRAINED_CONFIG_NAME", "save_transformers_config"]
 
@@ -231,10 +231,7 @@ def _read_record(directory: PathLike) -> Tuple[Path, dict]:
         raise FileNotFoundError(
             f"{str(directory)!r} has no {PRETRAINED_CONFIG_NAME}: it was not saved by panther_lite.save_pretrained"
         )
-    try:
-        record = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{str(path)!r} is not valid JSON: {error}") from None
+    record = read_json(path, "a panther_lite save record")
     if not isinstance(record, dict) or record.get("format") != _FORMAT:
         raise ValueError(f"{str(path)!r} is not a panther_lite save (expected format {_FORMAT!r})")
     if record.get("version") != _VERSION:
@@ -269,7 +266,8 @@ def _load_transformers(model_class, directory: Path, conversion: Mapping, kwargs
     if "output_loading_info" in kwargs:
         raise TypeError("from_pretrained does not take output_loading_info: it checks the loading itself")
     base = _concrete_transformers_class(model_class, directory)
-    saved_as = json.loads((directory / "config.json").read_text()).get("architectures") or []
+    saved = read_json(directory / "config.json", "a transformers config")
+    saved_as = (saved.get("architectures") if isinstance(saved, dict) else None) or []
     if conversion["layers"] and saved_as and base.__name__ not in saved_as:
         # another head or base class names its layers differently: the conversion would not fit
         raise ValueError(
@@ -282,11 +280,23 @@ def _load_transformers(model_class, directory: Path, conversion: Mapping, kwargs
         apply_conversion_config(self, conversion)
 
     converting = type(base.__name__, (base,), dict(__init__=__init__, __module__=base.__module__))
+    _check_weight_files(directory)
     model, info = converting.from_pretrained(str(directory), output_loading_info=True, **kwargs)
     model.__class__ = base
     model.config.__dict__.pop(HF_CONFIG_KEY, None)
     _check_sketched_keys_loaded(conversion, info["missing_keys"], directory)
     return model
+
+
+def _check_weight_files(directory: Path) -> None:
+    """Before transformers' loader reads ``directory``: its shard index names only files inside
+    it (:func:`~panther_lite.conversion.saving.weight_files.shard_paths`) and every safetensors
+    header there is consistent with its file (ValueError naming the file otherwise)."""
+    if (directory / WEIGHTS_NAME).is_file():
+        read_header(directory / WEIGHTS_NAME)
+    elif (directory / SHARD_INDEX_NAME).is_file():
+        for shard in shard_paths(directory):
+            read_header(shard)
 
 
 def _in_layers(key: str, layer_names) -> bool:

@@ -3,6 +3,7 @@ layers, each entry written by its layer kind, and rebuilding that layout in a fr
 dense model so a converted ``state_dict`` loads into it."""
 from __future__ import annotations
 
+import collections
 import operator
 import warnings
 from typing import List, Mapping, Tuple
@@ -95,8 +96,8 @@ def _check_config(config) -> List[Tuple[Mapping, LayerKind]]:
     if not isinstance(config["layers"], (list, tuple)):
         raise ValueError(f"config['layers'] must be a list, got {type(config['layers']).__name__}")
     entries = [(entry, _check_entry(index, entry)) for index, entry in enumerate(config["layers"])]
-    names = [entry["name"] for entry, _ in entries]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
+    counts = collections.Counter(entry["name"] for entry, _ in entries)
+    duplicates = sorted(name for name, count in counts.items() if count > 1)
     if duplicates:
         raise ValueError(f"config['layers'] lists {duplicates} more than once")
     return entries

@@ -1,0 +1,181 @@
+"""Round 4 of the reliability issues (issue 39): what a tampered or careless input did silently
+wrong or with an error a user could not act on, on compress_checkpoint, from_pretrained,
+ConvertConfig and the option checks; each now ends in a correct result or one line naming the
+file, tensor, option or kind and what to do."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import panther_lite  # noqa: E402
+
+VOCAB = 40
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:.*gradient_checkpointing")]
+
+
+def _llama(layers: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32)).eval()  # fmt: skip
+
+
+def _save(model, directory: Path, sharded: bool = False) -> Path:
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(str(directory), **({"max_shard_size": "10KB"} if sharded else {}))
+    finally:
+        transformers_logging.enable_progress_bar()
+    return directory
+
+
+def _batches(count: int = 2, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    return [dict(input_ids=torch.randint(0, VOCAB, (2, 8), generator=generator),
+                 attention_mask=torch.ones(2, 8, dtype=torch.long)) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    """A tiny LLaMA saved in several shards with their index (copy it before changing it)."""
+    directory = _save(_llama(), tmp_path_factory.mktemp("sharded") / "model", sharded=True)
+    assert len(list(directory.glob("*.safetensors"))) > 2
+    return directory
+
+
+def _index(directory: Path) -> dict:
+    return json.loads((directory / "model.safetensors.index.json").read_text())
+
+
+def _write_index(directory: Path, index: dict) -> None:
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _compress(model_dir, output, **options):
+    return panther_lite.compress_checkpoint(model_dir, output, calibration_data=_batches(), param_ratio=0.5,
+                                            progress=False, **options)
+
+
+# ----------------------------------------------------------------------- 1. paths an index names
+
+
+@pytest.mark.parametrize("spelling", ["../outside.safetensors", "absolute"])
+def test_an_index_naming_a_file_outside_model_dir_is_refused_before_it_is_read(spelling, sharded, tmp_path):
+    model_dir = Path(shutil.copytree(sharded, tmp_path / "work" / "model"))
+    index = _index(model_dir)
+    moved_from = sorted(set(index["weight_map"].values()))[0]
+    outside = tmp_path / "work" / "outside.safetensors"
+    os.replace(model_dir / moved_from, outside)
+    name = str(outside) if spelling == "absolute" else spelling
+    index["weight_map"] = {key: (name if file == moved_from else file) for key, file in index["weight_map"].items()}
+    _write_index(model_dir, index)
+    with pytest.raises(ValueError, match=r"names the shard .*outside.safetensors.*outside .*model.*only name files inside"):
+        _compress(model_dir, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_linked_shard_file_inside_model_dir_still_streams(sharded, tmp_path):
+    """A Hugging Face cache snapshot links each of its files to a blob elsewhere."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir(), snapshot.mkdir()
+    for path in sharded.iterdir():
+        shutil.copyfile(path, blobs / path.name)
+        os.symlink(blobs / path.name, snapshot / path.name)
+    report = _compress(snapshot, tmp_path / "out")
+    assert report.attrs["pipeline"].startswith("out of core")
+
+
+@pytest.fixture(scope="module")
+def converted(sharded, tmp_path_factory) -> Path:
+    """The sharded LLaMA compressed (a sharded output)."""
+    output = tmp_path_factory.mktemp("converted") / "out"
+    _compress(sharded, output)
+    return output
+
+
+def test_from_pretrained_refuses_an_output_whose_index_names_a_file_outside_it(converted, tmp_path):
+    output = Path(shutil.copytree(converted, tmp_path / "out"))
+    index = _index(output)
+    first = sorted(set(index["weight_map"].values()))[0]
+    shutil.copyfile(output / first, tmp_path / "elsewhere.safetensors")
+    index["weight_map"] = {k: ("../elsewhere.safetensors" if v == first else v) for k, v in index["weight_map"].items()}
+    _write_index(output, index)
+    with pytest.raises(ValueError, match=r"names the shard '\.\./elsewhere\.safetensors', outside"):
+        panther_lite.from_pretrained(transformers.AutoModelForCausalLM, output)
+
+
+def _lie(path: Path, how: str) -> None:
+    """Tamper with the safetensors file ``path``: truncate it, or make its header lie."""
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) - 100])
+        return
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    name = next(key for key in header if key != "__metadata__")
+    if how == "header size":
+        path.write_bytes((size + 10**9).to_bytes(8, "little") + data[8:])
+        return
+    if how == "offsets":
+        header[name]["data_offsets"][1] += 10**6
+    elif how == "shape":
+        header[name]["shape"] = [n * 2 for n in header[name]["shape"]]
+    elif how == "dtype":
+        header[name]["dtype"] = "Q9"
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + size :])
+
+
+LIES = ["truncated", "header size", "offsets", "shape", "dtype"]
+
+
+@pytest.mark.parametrize("how", LIES)
+def test_a_truncated_or_lying_shard_is_an_error_naming_the_file(how, sharded, tmp_path):
+    model_dir = Path(shutil.copytree(sharded, tmp_path / "model"))
+    shard = sorted(model_dir.glob("model-*.safetensors"))[-1]
+    _lie(shard, how)
+    with pytest.raises(ValueError, match=rf"{shard.name}.*(truncated|tampered)"):
+        _compress(model_dir, tmp_path / "out")
+
+
+@pytest.mark.parametrize("how", LIES)
+def test_from_pretrained_of_a_lying_output_names_the_file(how, converted, tmp_path):
+    output = Path(shutil.copytree(converted, tmp_path / "out"))
+    shard = sorted(output.glob("model-*.safetensors"))[0]
+    _lie(shard, how)
+    with pytest.raises(ValueError, match=rf"{shard.name}.*(truncated|tampered)"):
+        panther_lite.from_pretrained(transformers.AutoModelForCausalLM, output)
+
+
+def test_a_deeply_nested_save_record_is_a_one_line_error(converted, tmp_path):
+    output = Path(shutil.copytree(converted, tmp_path / "out"))
+    (output / "panther_lite_config.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(ValueError, match="panther_lite_config.json.*nested too deeply"):
+        panther_lite.from_pretrained(transformers.AutoModelForCausalLM, output)
+
+
+def test_the_duplicate_layer_check_of_a_saved_record_is_linear():
+    """60,000 entries, one name twice: a count per entry (quadratic) took tens of seconds; one pass a fraction of one."""
+    import time
+
+    from panther_lite import apply_conversion_config
+    from panther_lite.conversion.saving.serialization import CONFIG_FORMAT, CONFIG_VERSION
+
+    entry = dict(kind="SKLinear", shape=[8, 8], num_terms=1, low_rank=2, bias=True)
+    layers = [dict(entry, name=f"layer{i}") for i in range(60_000)] + [dict(entry, name="0")] * 2
+    config = dict(format=CONFIG_FORMAT, version=CONFIG_VERSION, layers=layers)
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"lists \['0'\] more than once"):
+        apply_conversion_config(torch.nn.Sequential(torch.nn.Linear(8, 8)), config)
+    assert time.perf_counter() - started < 10
