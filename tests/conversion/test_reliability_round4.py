@@ -179,3 +179,116 @@ def test_the_duplicate_layer_check_of_a_saved_record_is_linear():
     with pytest.raises(ValueError, match=r"lists \['0'\] more than once"):
         apply_conversion_config(torch.nn.Sequential(torch.nn.Linear(8, 8)), config)
     assert time.perf_counter() - started < 10
+
+
+# --------------------------------------------------------------- 2. weights the config does not match
+
+
+def _without(source: Path, directory: Path, dropped: str) -> Path:
+    """``source`` (one safetensors file) copied without the tensor ``dropped``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    del tensors[dropped]
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    """A tiny three-layer LLaMA in one safetensors file."""
+    return _save(_llama(layers=3), tmp_path_factory.mktemp("single") / "model")
+
+
+@pytest.mark.parametrize("in_memory", [False, True], ids=["streamed", "in memory"])
+@pytest.mark.filterwarnings("ignore:compress_checkpoint. loading")
+def test_a_checkpoint_missing_a_tensor_is_an_error_naming_it(in_memory, single, tmp_path):
+    model_dir = _without(single, tmp_path / "model", "model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(ValueError, match=r"lacks 1 tensor.*model\.layers\.1\.mlp\.down_proj\.weight.*"
+                                         r"initialised at random.*allow_missing_weights=True"):
+        _compress(model_dir, tmp_path / "out", in_memory=in_memory)
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def test_allow_missing_weights_fills_them_at_random_and_the_report_names_them(single, tmp_path):
+    model_dir = _without(single, tmp_path / "model", "model.layers.1.mlp.down_proj.weight")
+    with pytest.warns(UserWarning, match="initialised at random"):
+        report = _compress(model_dir, tmp_path / "out", allow_missing_weights=True)
+    assert report.attrs["random_weights"] == ["model.layers.1.mlp.down_proj.weight"]
+
+
+@pytest.mark.parametrize("layers,message", [(4, r"lacks .*model\.layers\.3\."), (2, r"holds .* no place for .*model\.layers\.2\.")],
+                         ids=["config says more layers", "config says fewer layers"])
+@pytest.mark.filterwarnings("ignore:compress_checkpoint. loading")
+def test_a_config_that_does_not_describe_the_weights_is_an_error(layers, message, single, tmp_path):
+    model_dir = Path(shutil.copytree(single, tmp_path / "model"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    config.pop("layer_types", None)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        _compress(model_dir, tmp_path / "out")
+    with pytest.raises(ValueError, match=message):
+        _compress(model_dir, tmp_path / "out", in_memory=True)
+
+
+# -------------------------------------------------------------------------- 4. option types
+
+
+@pytest.mark.parametrize("option", ["overwrite", "in_memory", "resume", "allow_missing_weights"])
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_compress_checkpoint_flags_must_be_booleans(option, value, single, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep me")
+    with pytest.raises(TypeError, match=rf"{option} must be True or False, got"):
+        _compress(single, tmp_path / "out", **{option: value})
+    assert (tmp_path / "out" / "mine.txt").read_text() == "keep me"
+
+
+def test_config_flags_must_be_booleans():
+    import numpy as np
+
+    with pytest.raises(TypeError, match="sequential must be True or False, got str 'no'"):
+        panther_lite.ConvertConfig(param_ratio=0.5, sequential="no")
+    with pytest.raises(TypeError, match="progress must be True or False"):
+        panther_lite.ConvertConfig(param_ratio=0.5, progress="yes")
+    assert panther_lite.ConvertConfig(param_ratio=0.5, sequential=np.bool_(True)).sequential is True
+
+
+def test_a_configs_rank_pattern_is_a_read_only_copy():
+    import copy
+    import pickle
+
+    pattern = {"up_proj": 0.3}
+    config = panther_lite.ConvertConfig(param_ratio=0.5, rank_pattern=pattern)
+    pattern["down_proj"] = 0.1  # the caller's dict: no effect on the config
+    assert dict(config.rank_pattern) == {"up_proj": 0.3} and len(config.sizes.patterns) == 1
+    with pytest.raises(TypeError, match="read-only"):
+        config.rank_pattern["down_proj"] = 0.1
+    with pytest.raises(TypeError, match="read-only"):
+        config.rank_pattern.update(down_proj=0.1)
+    assert pickle.loads(pickle.dumps(config)) == config == copy.deepcopy(config)
+    assert json.dumps(config.rank_pattern) == '{"up_proj": 0.3}'
+
+
+NUMPY_NUMBERS = ["float16", "float32", "float64", "longdouble"]
+
+
+@pytest.mark.parametrize("dtype", NUMPY_NUMBERS)
+def test_numpy_floats_of_every_dtype_are_numbers(dtype):
+    import numpy as np
+
+    config = panther_lite.ConvertConfig(param_ratio=np.dtype(dtype).type(0.5), rank_pattern={"x": np.dtype(dtype).type(0.25)})
+    assert config.sizes.default == 0.5 and config.sizes.patterns[0][2] == 0.25
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"])
+def test_numpy_ints_of_every_dtype_are_integers(dtype):
+    import numpy as np
+
+    value = np.dtype(dtype).type
+    config = panther_lite.ConvertConfig(num_terms=value(1), low_rank=value(2), align=value(4), seed=value(3),
+                                        runtime_rows=value(8))
+    assert config.sizes.default == (1, 2) and config.runtime_rows == 8
+    assert panther_lite.ConvertConfig(param_ratio=value(1)).sizes.default == 1.0

@@ -5,6 +5,7 @@ meta device, the tensors of one part read on demand, and a fingerprint of the wh
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -69,6 +70,31 @@ def _weight_files(directory: Path) -> List[Path]:
     return shard_paths(directory)
 
 
+def _listed(names: List[str], most: int = 5) -> str:
+    return ", ".join(names[:most]) + (f", ... ({len(names) - most} more)" if len(names) > most else "")
+
+
+def check_placed(directory: Path, unplaced: List[str]) -> None:
+    """ValueError naming the tensors of the checkpoint in ``directory`` that the model its
+    config builds has no place for (``config.json`` says fewer layers or other names than the
+    weights hold): converting would drop them without a word."""
+    if unplaced:
+        raise ValueError(
+            f"MODEL_DIR {str(directory)!r} holds {len(unplaced)} tensor(s) the model its config.json builds has no "
+            f"place for ({_listed(unplaced)}): they would be dropped. Check that config.json (num_hidden_layers, "
+            "architectures) describes these weights, or remove those tensors"
+        )
+
+
+def reported_unexpected(model: nn.Module, names: Iterable[str]) -> List[str]:
+    """``names`` less those transformers ignores when they are unexpected in a checkpoint
+    (the model's ``_keys_to_ignore_on_load_unexpected``, rotary ``inv_freq``, ``position_ids``)."""
+    patterns = {*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()), r"rotary_emb\.inv_freq",
+                r"(^|\.)position_ids$"}
+    ignored = re.compile("|".join(f"({pattern})" for pattern in patterns))
+    return [name for name in names if ignored.search(name) is None]
+
+
 class CheckpointFiles:
     """A transformers checkpoint directory: ``config`` (read with ``AutoConfig``),
     ``auto_class`` (:func:`auto_class_for`), ``files`` (its safetensors files, none when it has
@@ -109,13 +135,26 @@ class CheckpointFiles:
             model = self.auto_class.from_config(self.config, dtype=dtype or self.default_dtype())
         return model.eval()
 
-    def load_whole(self, dtype: Optional[torch.dtype] = None) -> nn.Module:
-        """The whole model, loaded by transformers in ``dtype`` (None: :meth:`default_dtype`), in eval mode."""
+    def load_whole(self, dtype: Optional[torch.dtype] = None, allow_missing: bool = False) -> Tuple[nn.Module, List[str]]:
+        """``(model, random)``: the whole model, loaded by transformers in ``dtype`` (None:
+        :meth:`default_dtype`), in eval mode, and the names of the tensors it initialised at
+        random because the checkpoint lacks them: a ValueError naming them unless
+        ``allow_missing``; tensors the model does not place are always one (:func:`check_placed`)."""
         try:
-            model = self.auto_class.from_pretrained(str(self.directory), dtype=dtype or self.default_dtype())
+            model, info = self.auto_class.from_pretrained(str(self.directory), dtype=dtype or self.default_dtype(),
+                                                          output_loading_info=True)
         except (OSError, ValueError) as error:
             raise ValueError(f"MODEL_DIR {str(self.directory)!r}: the model could not be loaded: {error}") from None
-        return model.eval()
+        check_placed(self.directory, sorted(info["unexpected_keys"]))
+        missing = sorted(info["missing_keys"])
+        if missing and not allow_missing:
+            raise ValueError(
+                f"MODEL_DIR {str(self.directory)!r} lacks {len(missing)} tensor(s) the model its config.json builds "
+                f"needs ({_listed(missing)}): they would be initialised at random. Check that config.json "
+                "(num_hidden_layers, sizes) describes these weights and that no file is missing; or pass "
+                "allow_missing_weights=True to fill them at random (the report lists them)"
+            )
+        return model.eval(), missing
 
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         """The tensors ``names`` (all held by the checkpoint), each file opened once and closed

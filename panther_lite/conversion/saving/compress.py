@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from ...extras import require
+from ...nn.validation import check_bool
 from ..api import convert, run_pipeline
 from ..calibration.batches import CalibrationData
 from ..config import ConvertConfig, make_config
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["compress_checkpoint", "REPORT_CSV", "REPORT_PNG", "REFINEMENT_CSV"]
 
 REPORT_CSV, REPORT_PNG, REFINEMENT_CSV = "report.csv", "report.png", "refinement.csv"
-_OWN_OPTIONS = {"dtype": None, "overwrite": False, "in_memory": False}
+_OWN_OPTIONS = {"dtype": None, "overwrite": False, "in_memory": False, "allow_missing_weights": False}
 _COPIED = ("generation_config.json",)
 Distiller = Callable[[torch.nn.Module, torch.nn.Module, Path], object]
 """``distill(model, teacher, directory)``: trains the converted ``model`` against ``teacher``
@@ -114,14 +115,19 @@ def _copy_side_files(files: CheckpointFiles, directory: Path) -> None:
 
 def _convert_whole(
     files: CheckpointFiles, dtype: torch.dtype, config: ConvertConfig, data: CalibrationData, directory: Path,
-    why: str, distill: Optional[Distiller],
+    why: str, distill: Optional[Distiller], allow_missing: bool,
 ) -> "pd.DataFrame":
-    """The checkpoint loaded whole, converted (then distilled against a copy of the original) and saved."""
-    model = files.load_whole(dtype)
+    """The checkpoint loaded whole, converted (then distilled against a copy of the original) and saved;
+    tensors it lacks are an error unless ``allow_missing`` (then ``attrs["random_weights"]`` names them)."""
+    model, random = files.load_whole(dtype, allow_missing)
+    if random:
+        warnings.warn(f"compress_checkpoint: MODEL_DIR lacks {len(random)} tensor(s), initialised at random "
+                      f"(allow_missing_weights=True): {', '.join(random[:5])}", UserWarning, stacklevel=4)
     teacher = None if distill is None else copy.deepcopy(model)  # a second model only when distilling
     with without_kv_cache(model):
         report = convert(model, config, calibration_data=data.source)
     report.attrs["pipeline"] += f" (the model loaded whole: {why})"
+    report.attrs["random_weights"] = random
     if distill is not None:
         distill(model, teacher, directory)
         del teacher
@@ -131,13 +137,14 @@ def _convert_whole(
 
 def _convert_into(
     files: CheckpointFiles, dtype: torch.dtype, config: ConvertConfig, data: CalibrationData, state: RunState,
-    directory: Path, in_memory: bool, distill: Optional[Distiller],
+    directory: Path, own: dict, distill: Optional[Distiller],
 ) -> "pd.DataFrame":
     """Convert the checkpoint into ``directory``: streamed when it can be, else loaded whole."""
     model = files.skeleton(dtype)
     records = select_layers(model, config.target_modules, config.exclude_modules, config.filter_fn)
     mark_unconvertible(model, records, meta_loaded_later=True)
     job = Conversion(model, config, data, records)
+    in_memory = own["in_memory"]
     if in_memory or distill is not None:
         pipeline, why = None, "in_memory=True" if in_memory else "distill trains the whole model against the original"
     else:
@@ -145,7 +152,7 @@ def _convert_into(
     if pipeline is None:
         if not in_memory and distill is None:
             warnings.warn(f"compress_checkpoint: loading {str(files.directory)!r} whole: {why}", UserWarning, stacklevel=3)
-        report = _convert_whole(files, dtype, config, data, directory, why, distill)
+        report = _convert_whole(files, dtype, config, data, directory, why, distill, own["allow_missing_weights"])
     else:
         with without_kv_cache(model):
             report, _ = run_pipeline(job, pipeline)
@@ -197,8 +204,12 @@ def compress_checkpoint(
         calibration_data: a list of batches (``model(**batch)`` for a dict, ...) as for ``convert``.
         config: a :class:`~panther_lite.ConvertConfig` (None: its defaults), as for ``convert``.
         **options: its fields as overrides, as for ``convert``; also ``dtype`` (None: the
-            checkpoint's), ``overwrite`` (replace a non-empty ``output_dir``) and ``in_memory``
-            (load the model whole and convert it in memory).
+            checkpoint's), ``overwrite`` (replace a non-empty ``output_dir``), ``in_memory``
+            (load the model whole and convert it in memory) and ``allow_missing_weights`` (a
+            checkpoint lacking tensors the model needs is loaded whole with those initialised at
+            random, named in the report's ``attrs["random_weights"]``; by default it is a
+            ValueError naming them, as is one holding tensors the model does not place).
+            Each flag is True or False (TypeError otherwise).
         resume: continue the run a staging directory holds (with none, start afresh).
         distill: None, or a callable ``(model, teacher, directory)`` run after the conversion and
             before the model is saved, e.g. one calling :func:`~panther_lite.distill`: the
@@ -210,6 +221,8 @@ def compress_checkpoint(
     """
     own = {name: options.pop(name, default) for name, default in _OWN_OPTIONS.items()}
     dtype = _check_dtype(own["dtype"])
+    own.update({name: check_bool(name, own[name]) for name in ("overwrite", "in_memory", "allow_missing_weights")})
+    resume = check_bool("resume", resume)
     if distill is not None and not callable(distill):
         raise TypeError(f"distill must be None or a callable (model, teacher, directory), got {type(distill).__name__}")
     config = make_config(config, options, caller="compress_checkpoint")
@@ -223,10 +236,10 @@ def compress_checkpoint(
     dtype = dtype or files.default_dtype()
     fingerprint = _fingerprint(files, config, data, {**own, "dtype": str(dtype)})
     inputs = {"MODEL_DIR": Path(model_dir)}
-    with staged_directory(Path(output_dir), bool(own["overwrite"]), inputs, resume) as staging:
+    with staged_directory(Path(output_dir), own["overwrite"], inputs, resume) as staging:
         state = RunState(staging.path, fingerprint)
         try:
-            report = _convert_into(files, dtype, config, data, state, staging.path, bool(own["in_memory"]), distill)
+            report = _convert_into(files, dtype, config, data, state, staging.path, own, distill)
         except BaseException:
             staging.keep = state.holds_work
             state.close()
