@@ -292,3 +292,90 @@ def test_numpy_ints_of_every_dtype_are_integers(dtype):
                                         runtime_rows=value(8))
     assert config.sizes.default == (1, 2) and config.runtime_rows == 8
     assert panther_lite.ConvertConfig(param_ratio=value(1)).sizes.default == 1.0
+
+
+# ----------------------------------------------------------------------------- 3. resuming
+
+
+class _Stop(KeyboardInterrupt):
+    pass
+
+
+def _stopped_after_first_block(model_dir, output, monkeypatch, **options):
+    from panther_lite.conversion.saving.resume_state import RunState
+
+    commit = RunState.commit
+
+    def commit_then_stop(state, count, *args, **kwargs):
+        commit(state, count, *args, **kwargs)
+        if count == 1:
+            raise _Stop
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RunState, "commit", commit_then_stop)
+        with pytest.raises(_Stop):
+            _compress(model_dir, output, **options)
+
+
+def test_resuming_with_an_edited_filter_is_refused(single, tmp_path, monkeypatch):
+    first = lambda module, name: "mlp" in name  # noqa: E731
+    _stopped_after_first_block(single, tmp_path / "out", monkeypatch, filter_fn=first)
+    edited = lambda module, name: "self_attn" in name  # noqa: E731  (the same qualname: <lambda>)
+    with pytest.raises(ValueError, match=r"cannot resume .*other options \(filter_fn: "):
+        _compress(single, tmp_path / "out", resume=True, filter_fn=edited)
+    same = lambda module, name: "mlp" in name  # noqa: E731
+    report = _compress(single, tmp_path / "out", resume=True, filter_fn=same)
+    assert set(report[report["status"] == "converted"]["name"].str.contains("mlp")) == {True}
+
+
+def test_a_filter_reading_a_changed_global_is_another_filter():
+    from panther_lite.conversion.saving.compress import filter_fingerprint
+
+    namespace = {"WANTED": ("mlp",)}
+    exec("def keep(module, name):\n    return any(w in name for w in WANTED)\n", namespace)
+    before, _ = filter_fingerprint(namespace["keep"])
+    namespace["WANTED"] = ("self_attn",)
+    after, _ = filter_fingerprint(namespace["keep"])
+    assert before is not None and before != after
+
+
+def test_resuming_with_a_filter_that_cannot_be_fingerprinted_is_refused_saying_why(single, tmp_path, monkeypatch):
+    class Keep:
+        def __call__(self, module, name):
+            return "mlp" in name
+
+    _stopped_after_first_block(single, tmp_path / "out", monkeypatch, filter_fn=Keep())
+    with pytest.raises(ValueError, match=r"cannot resume with this filter_fn: filter_fn is a Keep, not a plain Python "
+                                         r"function.*delete"):
+        _compress(single, tmp_path / "out", resume=True, filter_fn=Keep())
+
+
+def test_the_run_record_stays_until_the_output_is_in_place(single, tmp_path, monkeypatch):
+    """A kill after the run finished but before the rename: its staging directory still says what made it, so a
+    resume against another checkpoint is refused rather than shipping the old shards under the new config."""
+    from panther_lite.conversion.saving import staging
+
+    def killed(staged, output):
+        raise _Stop
+
+    with monkeypatch.context() as patch:
+        patch.setattr(staging, "_move_into_place", killed)
+        with pytest.raises(_Stop):
+            _compress(single, tmp_path / "out")
+    other = _save(_llama(layers=3, seed=1), tmp_path / "other")
+    with pytest.raises(ValueError, match="cannot resume .*another checkpoint"):
+        _compress(other, tmp_path / "out", resume=True)
+    report = _compress(single, tmp_path / "out", resume=True)  # the same run finishes it
+    assert (tmp_path / "out" / "config.json").is_file() and not (tmp_path / "out" / ".panther_lite_resume").exists()
+    assert sorted(os.listdir(tmp_path)) == ["other", "out"] and report.attrs["pipeline"].startswith("out of core")
+
+
+def test_a_staging_directory_with_files_but_no_record_is_not_resumed(single, tmp_path):
+    from panther_lite.conversion.saving.staging import staging_path
+
+    kept = staging_path(tmp_path / "out")
+    kept.mkdir()
+    (kept / "model-00001-of-00004.safetensors").write_bytes(b"old")
+    with pytest.raises(ValueError, match="holds files but no record of the run"):
+        _compress(single, tmp_path / "out", resume=True)
+    assert (kept / "model-00001-of-00004.safetensors").read_bytes() == b"old"

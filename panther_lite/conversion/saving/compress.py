@@ -9,10 +9,12 @@ import dataclasses
 import hashlib
 import json
 import os
+import secrets
 import shutil
+import types
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -30,10 +32,10 @@ from ..pipelines.out_of_core import choose_out_of_core
 from ..selection import mark_unconvertible, select_layers
 from .checkpoint_files import CheckpointFiles
 from .pretrained import save_pretrained, save_transformers_config
-from .resume_state import RunState
+from .resume_state import RESUME_DIRECTORY, RunState
 from .serialization import conversion_config
 from .shards import finalize_shards
-from .staging import staged_directory
+from .staging import staged_directory, staging_path
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -48,11 +50,56 @@ Distiller = Callable[[torch.nn.Module, torch.nn.Module, Path], object]
 (the original), may write files into ``directory`` (the output, staged)."""  # files of MODEL_DIR the model's own save_pretrained writes too
 
 
+_PLAIN = (str, int, float, bool, type(None), tuple, list, dict, set, frozenset, bytes)
+
+
+def _value_digest(value, seen: set) -> str:
+    """What a filter refers to, as text: plain data by its value, functions by their code,
+    modules and classes by name; ValueError for anything else (its value cannot be told)."""
+    if isinstance(value, types.FunctionType):
+        return _function_digest(value, seen)
+    if isinstance(value, (types.ModuleType, type, types.BuiltinFunctionType)):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value.__name__)}"
+    if isinstance(value, _PLAIN) and " at 0x" not in repr(value):
+        return repr(value)
+    raise ValueError(f"it refers to a {type(value).__name__}, whose value cannot be fingerprinted")
+
+
+def _code_digest(code: types.CodeType) -> str:
+    nested = [_code_digest(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+    return hashlib.sha256(repr((code.co_code, nested, code.co_names, code.co_varnames)).encode()).hexdigest()
+
+
+def _function_digest(function: types.FunctionType, seen: set) -> str:
+    """A digest of ``function``: its code, defaults, closure and the globals it reads."""
+    if id(function) in seen:
+        return function.__qualname__
+    seen.add(id(function))
+    cells = [cell.cell_contents for cell in function.__closure__ or ()]
+    read = [function.__globals__[name] for name in function.__code__.co_names if name in function.__globals__]
+    parts = [_code_digest(function.__code__), *(_value_digest(value, seen) for value in
+                                                [*(function.__defaults__ or ()), *cells, *read])]
+    return f"{function.__module__}.{function.__qualname__}:" + hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def filter_fingerprint(filter_fn) -> Tuple[Optional[str], Optional[str]]:
+    """``(fingerprint, None)`` of a ``filter_fn`` (a plain Python function: its code, defaults,
+    closure and the globals it reads, so an edited lambda differs), or ``(None, why not)``."""
+    if filter_fn is None:
+        return None, None
+    if not isinstance(filter_fn, types.FunctionType):
+        return None, f"filter_fn is a {type(filter_fn).__name__}, not a plain Python function"
+    try:
+        return _function_digest(filter_fn, set()), None
+    except ValueError as error:
+        return None, f"filter_fn {filter_fn.__qualname__}: {error}"
+
+
 def _options_record(config: ConvertConfig, own: dict) -> dict:
     """The options that shape the result, as JSON (``progress`` does not)."""
     options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init and f.name != "progress"}
-    filter_fn = options["filter_fn"]
-    options["filter_fn"] = None if filter_fn is None else f"{filter_fn.__module__}.{filter_fn.__qualname__}"
+    fingerprint, problem = filter_fingerprint(options["filter_fn"])
+    options["filter_fn"] = fingerprint if problem is None else f"not fingerprinted ({secrets.token_hex(8)})"
     options["refine"] = None if config.refine is None else dataclasses.asdict(config.refine)
     return json.loads(json.dumps({**options, **own}, default=str))
 
@@ -236,13 +283,25 @@ def compress_checkpoint(
     dtype = dtype or files.default_dtype()
     fingerprint = _fingerprint(files, config, data, {**own, "dtype": str(dtype)})
     inputs = {"MODEL_DIR": Path(model_dir)}
-    with staged_directory(Path(output_dir), own["overwrite"], inputs, resume) as staging:
-        state = RunState(staging.path, fingerprint)
-        try:
-            report = _convert_into(files, dtype, config, data, state, staging.path, own, distill)
-        except BaseException:
-            staging.keep = state.holds_work
+    _, unfingerprinted = filter_fingerprint(config.filter_fn)
+    if resume and unfingerprinted and staging_path(Path(output_dir)).exists():
+        raise ValueError(
+            f"cannot resume with this filter_fn: {unfingerprinted}, so whether it selects what the stopped run "
+            "selected cannot be checked; pass a plain function (def or lambda), or delete "
+            f"{str(staging_path(Path(output_dir)))!r} to start again"
+        )
+    state = None
+    try:
+        with staged_directory(Path(output_dir), own["overwrite"], inputs, resume) as staging:
+            state = RunState(staging.path, fingerprint)
+            try:
+                report = _convert_into(files, dtype, config, data, state, staging.path, own, distill)
+            except BaseException:
+                staging.keep = state.holds_work
+                raise
+            staging.keep = True  # the record goes into place with the output, removed once it is there
+    finally:
+        if state is not None:
             state.close()
-            raise
-        state.remove()
+    shutil.rmtree(Path(os.path.realpath(output_dir)) / RESUME_DIRECTORY, ignore_errors=True)
     return report

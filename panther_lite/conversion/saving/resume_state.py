@@ -75,6 +75,12 @@ class RunState:
                     f"cannot resume from {str(staging)!r}: it was made from {'; '.join(problems)}; delete it to start "
                     "again, or resume with what made it"
                 )
+        elif any(entry.name != RESUME_DIRECTORY for entry in staging.iterdir()):
+            self.close()
+            raise ValueError(
+                f"cannot resume from {str(staging)!r}: it holds files but no record of the run that wrote them "
+                "(stopped while finishing?), so they cannot be checked against this run; delete it to start again"
+            )
         else:
             _write_json(manifest, dict(format=_FORMAT, version=_VERSION, fingerprint=fingerprint))
 
