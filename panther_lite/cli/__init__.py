@@ -55,6 +55,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{parser.prog} {args.command}: terminated (SIGTERM); nothing was written to OUT_DIR", file=sys.stderr)
         return TERMINATED
     except _INPUT_ERRORS as error:
-        one_line = " ".join(str(error).split())  # library messages may span lines
+        one_line = " ".join(str(error).split()) or (  # library messages may span lines; never print nothing
+            f"{type(error).__name__} without a message (a bug in panther_lite: please report it with this command)")
         print(f"{parser.prog} {args.command}: error: {one_line}", file=sys.stderr)
         return 1

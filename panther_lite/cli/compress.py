@@ -189,8 +189,9 @@ def _transformers_bars(shown: bool) -> Iterator[None]:
 def _warn_if_few_tokens(model: nn.Module, tokens: int) -> None:
     """Whitened fits see only the input directions the calibration tokens span: with fewer
     tokens than a layer has inputs, its fit matches the calibration text and little else."""
-    widths = [(kind.weight_matrix(module).shape[1], name) for name, module in model.named_modules()
-              if (kind := kind_of(module)) is not None and kind.linear]
+    widths = [(part.fan_in, name) for name, module in model.named_modules()
+              if (kind := kind_of(module)) is not None and kind.linear
+              for part in kind.record(name, module).parts]  # every kind's records: an experts module's projections too
     widest, name = max(widths, key=lambda width_name: width_name[0], default=(0, ""))  # the first widest
     if tokens < widest:
         print(f"warning: the calibration text has {tokens:,} tokens, fewer than the {widest:,} inputs of {name}: "

@@ -138,9 +138,25 @@ def _write_model_files(model: nn.Module, saved_with: str, directory: Path, conve
         return
     with _recorded_in_configs(model, conversion):
         if saved_with == _TRANSFORMERS:
-            model.save_pretrained(str(directory))
+            model.save_pretrained(str(directory), **_own_names_for_experts(model))
         else:
             model.save(str(directory))
+
+
+def _own_names_for_experts(model: nn.Module) -> dict:
+    """``save_original_format=False`` for a transformers model holding sketched or frozen experts:
+    transformers' save would otherwise split the tensors its fused-experts converters match
+    (``experts.gate_up_proj.S1``, ...) as if they were the dense stacks, which fails ("Undefined
+    Operation") or stores them under other names. The model's own names load back as they are."""
+    import inspect
+
+    from ..kinds.experts import EXPERTS
+
+    experts = (EXPERTS.sketched_type, EXPERTS.frozen_type)
+    if not any(isinstance(module, experts) for module in model.modules()):
+        return {}
+    accepted = "save_original_format" in inspect.signature(model.save_pretrained).parameters
+    return {"save_original_format": False} if accepted else {}
 
 
 def _move_into(source: Path, target: Path) -> None:
