@@ -379,3 +379,115 @@ def test_a_staging_directory_with_files_but_no_record_is_not_resumed(single, tmp
     with pytest.raises(ValueError, match="holds files but no record of the run"):
         _compress(single, tmp_path / "out", resume=True)
     assert (kept / "model-00001-of-00004.safetensors").read_bytes() == b"old"
+
+
+# ------------------------------------------------------------------------------ 5. a full disk
+
+_FULL_DISK = """
+import resource, signal, sys, torch
+import panther_lite
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write over the limit fails with EFBIG instead of killing
+generator = torch.Generator().manual_seed(1)
+batches = [dict(input_ids=torch.randint(0, 40, (2, 8), generator=generator)) for _ in range(2)]
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), int(sys.argv[3])))
+try:
+    panther_lite.compress_checkpoint(sys.argv[1], sys.argv[2], calibration_data=batches, param_ratio=0.5,
+                                     progress=False)
+except OSError as error:
+    print("OSError", error.errno, error)
+"""
+
+
+@pytest.mark.parametrize("limit", [2_000, 20_000])
+def test_a_full_disk_is_an_oserror_naming_the_file(limit, single, tmp_path):
+    import errno
+    import subprocess
+    import sys
+
+    script = tmp_path / "full.py"
+    script.write_text(_FULL_DISK)
+    root = str(Path(panther_lite.__file__).parents[1])
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(script), str(single), str(tmp_path / "out"), str(limit)],
+                          capture_output=True, text=True, timeout=300, env=environment)
+    last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
+    assert last.startswith((f"OSError {errno.EFBIG} ", f"OSError {errno.ENOSPC} ")), last
+    assert f"writing '{tmp_path}" in last and "free space there or write elsewhere" in last
+    assert "no space left" in last or "over the size limit" in last
+
+
+# ------------------------------------------------------------- 5. messages naming what to fix
+
+
+def test_a_token_id_past_the_vocabulary_names_the_batch(single, tmp_path):
+    batches = _batches(count=2)
+    batches[1]["input_ids"][0, 3] = VOCAB + 7
+    with pytest.raises(ValueError, match=rf"calibration batch 1 holds token id {VOCAB + 7}, past the model's "
+                                         rf"vocabulary of {VOCAB} tokens.*model's own tokenizer"):
+        panther_lite.compress_checkpoint(single, tmp_path / "out", calibration_data=batches, param_ratio=0.5,
+                                         progress=False)
+    with pytest.raises(ValueError, match="calibration batch 1 holds token id"):
+        panther_lite.convert(_llama(), calibration_data=batches, param_ratio=0.5, progress=False)
+
+
+class _Custom(torch.nn.Linear):
+    pass
+
+
+def _kind(**overrides):
+    from panther_lite.conversion import LinearKind
+    from panther_lite.nn import SKLinear
+
+    built = type("BuiltCustom", (SKLinear,), {})
+    kind = LinearKind("Custom", _Custom, built_type=built)
+    for name, value in overrides.items():
+        setattr(kind, name, value)
+    return kind
+
+
+@pytest.mark.parametrize("attribute", ["dense_type", "sketched_type", "built_type"])
+def test_register_kind_refuses_a_type_that_is_not_a_class(attribute):
+    from panther_lite.conversion.kinds import registered_kinds
+
+    before = registered_kinds()
+    with pytest.raises(TypeError, match=rf"layer kind 'Custom': {attribute} must be a class, got 'Linear'"):
+        panther_lite.register_kind(_kind(**{attribute: "Linear"}))
+    assert registered_kinds() == before
+    report = panther_lite.convert(torch.nn.Sequential(torch.nn.Linear(16, 16)), param_ratio=0.5, progress=False)
+    assert list(report["status"]) == ["converted"]  # other conversions unaffected
+
+
+@pytest.mark.parametrize("returned,message", [
+    (lambda built, module: None, r"layer kind 'Custom': build\(\) returned NoneType for layer '0', expected a BuiltCustom"),
+    (lambda built, module: built(8, 4, num_terms=1, low_rank=2), r"layer kind 'Custom': build\(\) made a layer of "
+                                                                  r"weight shape \(4, 8\) for layer '0', whose weight is "
+                                                                  r"\(16, 16\)"),
+], ids=["None", "wrong shape"])
+def test_a_kind_whose_build_is_wrong_is_named_with_the_layer(returned, message):
+    from panther_lite.conversion.kinds import unregister_kind
+
+    kind = _kind()
+    kind.build = lambda module, num_terms, low_rank, **fit: returned(kind.built_type, module)
+    panther_lite.register_kind(kind)
+    try:
+        with pytest.raises((TypeError, ValueError), match=message):
+            panther_lite.convert(torch.nn.Sequential(_Custom(16, 16)), param_ratio=0.5, progress=False)
+    finally:
+        unregister_kind("Custom")
+
+
+def test_the_command_reports_a_safetensors_error_on_one_line(monkeypatch, checkpoints, text_file, tmp_path, capsys):
+    from safetensors import SafetensorError
+
+    from panther_lite.cli import compress as command
+    from panther_lite.cli import main
+
+    def fails(*args, **kwargs):
+        raise SafetensorError("Error while deserializing header: MetadataIncompleteBuffer")
+
+    monkeypatch.setattr(command, "compress_checkpoint", fails)
+    status = main(["compress", str(checkpoints["llama"]), "--calibration", str(text_file), "--output",
+                   str(tmp_path / "out"), "--param-ratio", "0.5", "--quiet"])
+    err = capsys.readouterr().err
+    assert status == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith("error: Error while deserializing header: MetadataIncompleteBuffer")

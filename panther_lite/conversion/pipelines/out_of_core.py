@@ -39,6 +39,7 @@ from ..saving.checkpoint_files import CheckpointFiles, check_placed, reported_un
 from ..saving.resume_state import RunState
 from ..saving.serialization import CONFIG_FORMAT, CONFIG_VERSION, apply_conversion_config, conversion_config
 from ..saving.shards import write_part
+from ..saving.weight_files import writing
 from ..surgery import SwapLog, swap_modules, undo_swaps
 from .base import Conversion
 from .blocks import BlockList, BlockRunner, find_blocks, run_block, with_hidden
@@ -162,7 +163,8 @@ class OutOfCore(ByBlocks):
                 runner = BlockRunner(self.job.model, block, self.device)
                 where = self.block_list.prefix(index)[:-1]
                 (hidden,) = run_block(runner, [with_hidden(calls[index], hidden)], self.job.config.cache_device, where)
-            torch.save(hidden, _output_path(self.state, index))
+            with writing(_output_path(self.state, index)):
+                torch.save(hidden, _output_path(self.state, index))
 
     def block_gains(self, blocks: List[nn.Module]) -> List[float]:
         """Each block's squared gain to the output, from the first batch's block outputs (one

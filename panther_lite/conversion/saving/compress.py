@@ -36,6 +36,7 @@ from .resume_state import RESUME_DIRECTORY, RunState
 from .serialization import conversion_config
 from .shards import finalize_shards
 from .staging import staged_directory, staging_path
+from .weight_files import writing
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -295,7 +296,8 @@ def compress_checkpoint(
         with staged_directory(Path(output_dir), own["overwrite"], inputs, resume) as staging:
             state = RunState(staging.path, fingerprint)
             try:
-                report = _convert_into(files, dtype, config, data, state, staging.path, own, distill)
+                with writing(staging.path):
+                    report = _convert_into(files, dtype, config, data, state, staging.path, own, distill)
             except BaseException:
                 staging.keep = state.holds_work
                 raise

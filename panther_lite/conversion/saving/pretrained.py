@@ -38,7 +38,7 @@ import torch.nn as nn
 from ...extras import require
 from ..deploy.quantized import check_storable, warn_if_quantized_beside
 from .serialization import apply_conversion_config, conversion_config
-from .weight_files import SHARD_INDEX_NAME, WEIGHTS_NAME, load_weights_file, read_header, read_json, read_weights, shard_paths
+from .weight_files import SHARD_INDEX_NAME, WEIGHTS_NAME, load_weights_file, read_header, read_json, read_weights, shard_paths, writing
 
 __all__ = ["save_pretrained", "from_pretrained", "PRETRAINED_CONFIG_NAME", "save_transformers_config"]
 
@@ -225,9 +225,10 @@ def save_pretrained(model: nn.Module, directory: PathLike) -> None:
     # staged inside the target (same filesystem for the renames; its parent may be read-only)
     staging = Path(tempfile.mkdtemp(prefix=".panther_lite_staging.", dir=directory))
     try:
-        _write_model_files(model, saved_with, staging, conversion)
-        write_pretrained_record(staging, saved_with, conversion)
-        _move_into(staging, directory)
+        with writing(directory):
+            _write_model_files(model, saved_with, staging, conversion)
+            write_pretrained_record(staging, saved_with, conversion)
+            _move_into(staging, directory)
     except BaseException:
         if created:  # nothing of this call is left behind
             shutil.rmtree(directory, ignore_errors=True)

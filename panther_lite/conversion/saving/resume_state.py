@@ -21,6 +21,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .weight_files import writing
+
 __all__ = ["RunState", "RESUME_DIRECTORY"]
 
 RESUME_DIRECTORY = ".panther_lite_resume"
@@ -29,7 +31,8 @@ _FORMAT, _VERSION = "panther_lite.resume", 1
 
 def _write_json(path: Path, value: Any) -> None:
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(value, indent=1) + "\n")
+    with writing(temporary):
+        temporary.write_text(json.dumps(value, indent=1) + "\n")
     os.replace(temporary, path)
 
 
@@ -103,7 +106,8 @@ class RunState:
         """``value`` (tensors in lists, tuples and dicts) saved as ``name`` in the scratch space,
         whole or not at all."""
         temporary = self.scratch(name + ".tmp")
-        torch.save(value, temporary)
+        with writing(temporary):
+            torch.save(value, temporary)
         os.replace(temporary, self.scratch(name))
 
     def load_scratch(self, name: str):
@@ -130,7 +134,8 @@ class RunState:
         state = dict(finished=finished, outside=outside, streams=streams, rng=torch.get_rng_state(),
                      cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])
         temporary = self.root / "progress.pt.tmp"
-        torch.save(state, temporary)
+        with writing(temporary):
+            torch.save(state, temporary)
         os.replace(temporary, self.root / "progress.pt")
 
     def progress(self) -> Dict[str, Any]:

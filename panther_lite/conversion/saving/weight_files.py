@@ -2,12 +2,15 @@
 a shard index is trusted only with paths inside its own directory."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import struct
+import sys
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 
@@ -68,6 +71,41 @@ def read_header(path: Path) -> Tuple[dict, int]:
     if problem is not None:
         raise ValueError(f"{str(path)!r} is not a readable safetensors file (truncated or tampered?): {problem}")
     return header, 8 + size
+
+
+_FULL = {errno.ENOSPC: "no space left on the device (or a file-size limit reached)", errno.EFBIG: "the file is over the size limit",
+         errno.EDQUOT: "the disk quota is exceeded"}
+# how torch's and safetensors' writers word a failed write (they may not keep the errno)
+_FULL_WORDS = {"No space left": errno.ENOSPC, "os error 28": errno.ENOSPC, "File too large": errno.EFBIG,
+               "os error 27": errno.EFBIG, "Disk quota": errno.EDQUOT, "os error 122": errno.EDQUOT,
+               "unexpected pos": errno.ENOSPC, "file write failed": errno.ENOSPC}
+
+
+_REMEDY = "free space there or write elsewhere"
+
+
+def _write_errors() -> tuple:
+    safetensors = sys.modules.get("safetensors")
+    return (OSError, RuntimeError) + ((safetensors.SafetensorError,) if hasattr(safetensors, "SafetensorError") else ())
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Writes to ``path`` (a file or a directory) for the duration: a write that fails for want
+    of space (``ENOSPC``, ``EFBIG``, ``EDQUOT``, or torch's and safetensors' wording of them) is
+    an OSError with that errno naming ``path`` and what to do; other errors pass unchanged."""
+    try:
+        yield
+    except _write_errors() as error:
+        text = str(error)
+        if _REMEDY in text:  # said already, by a writer inside
+            raise
+        number = getattr(error, "errno", None)
+        number = number if number in _FULL else next((n for words, n in _FULL_WORDS.items() if words in text), None)
+        if number is None:
+            raise
+        first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+        raise OSError(number, f"writing {str(path)!r} failed: {_FULL[number]} ({first}); {_REMEDY}") from None
 
 
 def read_json(path: Path, what: str = "a JSON file"):
