@@ -7,6 +7,8 @@ from typing import Iterable, Optional, Union
 
 import torch
 
+from ..nn.validation import check_bool
+
 __all__ = ["layer_seed", "cache_device", "progress_bar"]
 
 
@@ -26,6 +28,8 @@ def progress_bar(
     """``iterable`` wrapped in a tqdm bar (``iterable`` None: a bar of ``total`` steps to
     ``update`` by hand); ``progress`` None shows it on a terminal only (tqdm's
     ``disable=None``), False never imports tqdm and returns ``iterable`` itself."""
+    if progress is not None:
+        check_bool("progress", progress)
     if progress is False or (progress is None and not sys.stderr.isatty()):
         return iterable
     from tqdm.auto import tqdm

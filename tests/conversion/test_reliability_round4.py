@@ -491,3 +491,12 @@ def test_the_command_reports_a_safetensors_error_on_one_line(monkeypatch, checkp
     err = capsys.readouterr().err
     assert status == 1 and "Traceback" not in err
     assert err.strip().splitlines()[-1].endswith("error: Error while deserializing header: MetadataIncompleteBuffer")
+
+
+def test_register_kind_replace_and_progress_flags_must_be_booleans():
+    from panther_lite.conversion.rules import progress_bar
+
+    with pytest.raises(TypeError, match="replace must be True or False, got str 'no'"):
+        panther_lite.register_kind(_kind(), replace="no")
+    with pytest.raises(TypeError, match="progress must be True or False"):
+        progress_bar([1], "x", "y", "no")

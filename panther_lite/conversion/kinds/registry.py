@@ -6,6 +6,7 @@ from typing import Dict, Optional, Tuple
 
 import torch.nn as nn
 
+from ...nn.validation import check_bool
 from .base import LayerKind
 
 __all__ = ["register_kind", "unregister_kind", "registered_kinds", "kind_of", "kind_named", "converted_kind",
@@ -30,6 +31,7 @@ def register_kind(kind: LayerKind, *, replace: bool = False) -> LayerKind:
     """
     if not isinstance(kind, LayerKind):
         raise TypeError(f"register_kind expects a LayerKind instance, got {type(kind).__name__}")
+    replace = check_bool("replace", replace)
     if not isinstance(kind.name, str) or not kind.name:
         raise ValueError(f"a layer kind needs a non-empty name, got {kind.name!r}")
     for attribute in ("dense_type", "sketched_type", "built_type", "frozen_type"):

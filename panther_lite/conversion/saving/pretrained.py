@@ -37,8 +37,8 @@ import torch.nn as nn
 
 from ...extras import require
 from ..deploy.quantized import check_storable, warn_if_quantized_beside
-from .serialization import apply_conversion_config, conversion_config
-from .weight_files import SHARD_INDEX_NAME, WEIGHTS_NAME, load_weights_file, read_header, read_json, read_weights, shard_paths, writing
+from .serialization import apply_conversion_config, conversion_config, own_names_for_experts
+from .weight_files import WEIGHTS_NAME, check_weight_files, load_weights_file, read_json, read_weights, writing
 
 __all__ = ["save_pretrained", "from_pretrained", "PRETRAINED_CONFIG_NAME", "save_transformers_config"]
 
@@ -138,25 +138,9 @@ def _write_model_files(model: nn.Module, saved_with: str, directory: Path, conve
         return
     with _recorded_in_configs(model, conversion):
         if saved_with == _TRANSFORMERS:
-            model.save_pretrained(str(directory), **_own_names_for_experts(model))
+            model.save_pretrained(str(directory), **own_names_for_experts(model))
         else:
             model.save(str(directory))
-
-
-def _own_names_for_experts(model: nn.Module) -> dict:
-    """``save_original_format=False`` for a transformers model holding sketched or frozen experts:
-    transformers' save would otherwise split the tensors its fused-experts converters match
-    (``experts.gate_up_proj.S1``, ...) as if they were the dense stacks, which fails ("Undefined
-    Operation") or stores them under other names. The model's own names load back as they are."""
-    import inspect
-
-    from ..kinds.experts import EXPERTS
-
-    experts = (EXPERTS.sketched_type, EXPERTS.frozen_type)
-    if not any(isinstance(module, experts) for module in model.modules()):
-        return {}
-    accepted = "save_original_format" in inspect.signature(model.save_pretrained).parameters
-    return {"save_original_format": False} if accepted else {}
 
 
 def _move_into(source: Path, target: Path) -> None:
@@ -297,23 +281,12 @@ def _load_transformers(model_class, directory: Path, conversion: Mapping, kwargs
         apply_conversion_config(self, conversion)
 
     converting = type(base.__name__, (base,), dict(__init__=__init__, __module__=base.__module__))
-    _check_weight_files(directory)
+    check_weight_files(directory)
     model, info = converting.from_pretrained(str(directory), output_loading_info=True, **kwargs)
     model.__class__ = base
     model.config.__dict__.pop(HF_CONFIG_KEY, None)
     _check_sketched_keys_loaded(conversion, info["missing_keys"], directory)
     return model
-
-
-def _check_weight_files(directory: Path) -> None:
-    """Before transformers' loader reads ``directory``: its shard index names only files inside
-    it (:func:`~panther_lite.conversion.saving.weight_files.shard_paths`) and every safetensors
-    header there is consistent with its file (ValueError naming the file otherwise)."""
-    if (directory / WEIGHTS_NAME).is_file():
-        read_header(directory / WEIGHTS_NAME)
-    elif (directory / SHARD_INDEX_NAME).is_file():
-        for shard in shard_paths(directory):
-            read_header(shard)
 
 
 def _in_layers(key: str, layer_names) -> bool:

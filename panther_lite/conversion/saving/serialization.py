@@ -4,6 +4,7 @@ dense model so a converted ``state_dict`` loads into it."""
 from __future__ import annotations
 
 import collections
+import inspect
 import operator
 import warnings
 from typing import List, Mapping, Tuple
@@ -159,3 +160,17 @@ def apply_conversion_config(model: nn.Module, config: Mapping) -> nn.Module:
         replacements.append((entry["name"], new))
     swap_modules(model, replacements)
     return model
+
+
+def own_names_for_experts(model: nn.Module) -> dict:
+    """``save_original_format=False`` for a transformers model holding sketched or frozen experts:
+    transformers' save would otherwise split the tensors its fused-experts converters match
+    (``experts.gate_up_proj.S1``, ...) as if they were the dense stacks, which fails ("Undefined
+    Operation") or stores them under other names. The model's own names load back as they are."""
+    from ..kinds.experts import EXPERTS
+
+    experts = (EXPERTS.sketched_type, EXPERTS.frozen_type)
+    if not any(isinstance(module, experts) for module in model.modules()):
+        return {}
+    accepted = "save_original_format" in inspect.signature(model.save_pretrained).parameters
+    return {"save_original_format": False} if accepted else {}

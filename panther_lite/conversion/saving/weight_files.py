@@ -147,6 +147,17 @@ def shard_paths(directory: Path) -> List[Path]:
     return paths
 
 
+def check_weight_files(directory: Path) -> None:
+    """Before transformers' loader reads ``directory``: its shard index names only files inside
+    it (:func:`~panther_lite.conversion.saving.weight_files.shard_paths`) and every safetensors
+    header there is consistent with its file (ValueError naming the file otherwise)."""
+    if (directory / WEIGHTS_NAME).is_file():
+        read_header(directory / WEIGHTS_NAME)
+    elif (directory / SHARD_INDEX_NAME).is_file():
+        for shard in shard_paths(directory):
+            read_header(shard)
+
+
 def load_weights_file(path: Path) -> Dict[str, torch.Tensor]:
     """The tensors of one safetensors file; ValueError naming the file when it is truncated,
     corrupt or not a safetensors file at all."""
