@@ -297,29 +297,10 @@ def test_numpy_ints_of_every_dtype_are_integers(dtype):
 # ----------------------------------------------------------------------------- 3. resuming
 
 
-class _Stop(KeyboardInterrupt):
-    pass
-
-
-def _stopped_after_first_block(model_dir, output, monkeypatch, **options):
-    from panther_lite.conversion.saving.resume_state import RunState
-
-    commit = RunState.commit
-
-    def commit_then_stop(state, count, *args, **kwargs):
-        commit(state, count, *args, **kwargs)
-        if count == 1:
-            raise _Stop
-
-    with monkeypatch.context() as patch:
-        patch.setattr(RunState, "commit", commit_then_stop)
-        with pytest.raises(_Stop):
-            _compress(model_dir, output, **options)
-
-
-def test_resuming_with_an_edited_filter_is_refused(single, tmp_path, monkeypatch):
+def test_resuming_with_an_edited_filter_is_refused(single, tmp_path, stopped_after_first_block):
     first = lambda module, name: "mlp" in name  # noqa: E731
-    _stopped_after_first_block(single, tmp_path / "out", monkeypatch, filter_fn=first)
+    with stopped_after_first_block():
+        _compress(single, tmp_path / "out", filter_fn=first)
     edited = lambda module, name: "self_attn" in name  # noqa: E731  (the same qualname: <lambda>)
     with pytest.raises(ValueError, match=r"cannot resume .*other options \(filter_fn: "):
         _compress(single, tmp_path / "out", resume=True, filter_fn=edited)
@@ -339,12 +320,14 @@ def test_a_filter_reading_a_changed_global_is_another_filter():
     assert before is not None and before != after
 
 
-def test_resuming_with_a_filter_that_cannot_be_fingerprinted_is_refused_saying_why(single, tmp_path, monkeypatch):
+def test_resuming_with_a_filter_that_cannot_be_fingerprinted_is_refused_saying_why(single, tmp_path,
+                                                                                   stopped_after_first_block):
     class Keep:
         def __call__(self, module, name):
             return "mlp" in name
 
-    _stopped_after_first_block(single, tmp_path / "out", monkeypatch, filter_fn=Keep())
+    with stopped_after_first_block():
+        _compress(single, tmp_path / "out", filter_fn=Keep())
     with pytest.raises(ValueError, match=r"cannot resume with this filter_fn: filter_fn is a Keep, not a plain Python "
                                          r"function.*delete"):
         _compress(single, tmp_path / "out", resume=True, filter_fn=Keep())
@@ -356,11 +339,11 @@ def test_the_run_record_stays_until_the_output_is_in_place(single, tmp_path, mon
     from panther_lite.conversion.saving import staging
 
     def killed(staged, output):
-        raise _Stop
+        raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
         patch.setattr(staging, "_move_into_place", killed)
-        with pytest.raises(_Stop):
+        with pytest.raises(KeyboardInterrupt):
             _compress(single, tmp_path / "out")
     other = _save(_llama(layers=3, seed=1), tmp_path / "other")
     with pytest.raises(ValueError, match="cannot resume .*another checkpoint"):
