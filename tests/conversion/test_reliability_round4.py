@@ -483,3 +483,13 @@ def test_register_kind_replace_and_progress_flags_must_be_booleans():
         panther_lite.register_kind(_kind(), replace="no")
     with pytest.raises(TypeError, match="progress must be True or False"):
         progress_bar([1], "x", "y", "no")
+
+
+def test_the_command_names_a_deeply_nested_config_json(checkpoints, text_file, tmp_path, capsys):
+    from panther_lite.cli import main
+
+    model_dir = Path(shutil.copytree(checkpoints["llama"], tmp_path / "model"))
+    (model_dir / "config.json").write_text("[" * 200_000 + "]" * 200_000)
+    status = main(["compress", str(model_dir), "--calibration", str(text_file), "--output", str(tmp_path / "out"),
+                   "--param-ratio", "0.5", "--quiet"])
+    assert status == 1 and "config.json' is not a JSON object" in capsys.readouterr().err
