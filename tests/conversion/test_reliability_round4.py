@@ -493,3 +493,15 @@ def test_the_command_names_a_deeply_nested_config_json(checkpoints, text_file, t
     status = main(["compress", str(model_dir), "--calibration", str(text_file), "--output", str(tmp_path / "out"),
                    "--param-ratio", "0.5", "--quiet"])
     assert status == 1 and "config.json' is not a JSON object" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["int16", "int64", "uint32"])
+def test_sketch_sizes_take_numpy_integers(dtype):
+    import numpy as np
+
+    from panther_lite.sketch.hadamard import next_power_of_two
+
+    assert next_power_of_two(np.dtype(dtype).type(5)) == 8
+    linear = panther_lite.nn.SKLinear(np.dtype(dtype).type(8), np.dtype(dtype).type(6), num_terms=np.dtype(dtype).type(1),
+                                      low_rank=np.dtype(dtype).type(2))
+    assert linear(torch.randn(3, 8)).shape == (3, 6)
