@@ -103,6 +103,9 @@ def add_compress_command(subparsers) -> None:
     command.add_argument("--in-memory", action="store_true",
                          help="load the whole model and convert it in memory (needs memory for the whole model and "
                               "more; by default it is read from MODEL_DIR one block at a time)")
+    command.add_argument("--allow-missing-weights", action="store_true",
+                         help="convert a checkpoint lacking some weights its config needs, those initialised at "
+                              "random (listed in a warning; by default an error naming them)")
     command.add_argument("--quiet", "-q", action="store_true", help="no progress bars or step messages")
     data = command.add_argument_group("calibration batches")
     data.add_argument("--max-samples", type=positive_int, default=128, help="lines used (default 128)")
@@ -277,6 +280,7 @@ def run_compress(args: argparse.Namespace) -> int:
             report = compress_checkpoint(
                 args.model_dir, args.output, calibration_data=batches, config=config, resume=args.resume,
                 dtype=DTYPES.get(args.dtype), overwrite=args.overwrite, in_memory=args.in_memory,
+                allow_missing_weights=args.allow_missing_weights,
                 distill=distiller(args, text, tokenizer, say),
             )
         except BaseException:

@@ -505,3 +505,22 @@ def test_sketch_sizes_take_numpy_integers(dtype):
     linear = panther_lite.nn.SKLinear(np.dtype(dtype).type(8), np.dtype(dtype).type(6), num_terms=np.dtype(dtype).type(1),
                                       low_rank=np.dtype(dtype).type(2))
     assert linear(torch.randn(3, 8)).shape == (3, 6)
+
+
+def test_the_command_names_missing_weights_and_its_option_allows_them(checkpoints, text_file, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from panther_lite.cli import main
+
+    model_dir = Path(shutil.copytree(checkpoints["llama"], tmp_path / "model"))
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    argv = ["compress", str(model_dir), "--calibration", str(text_file), "--output", str(tmp_path / "out"),
+            "--param-ratio", "0.5", "--quiet"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "model.layers.0.mlp.up_proj.weight" in err and "--allow-missing-weights" in err
+    assert not (tmp_path / "out").exists()
+    assert main([*argv, "--allow-missing-weights"]) == 0
+    assert "initialised at random" in capsys.readouterr().err and (tmp_path / "out" / "config.json").is_file()

@@ -152,7 +152,7 @@ class CheckpointFiles:
                 f"MODEL_DIR {str(self.directory)!r} lacks {len(missing)} tensor(s) the model its config.json builds "
                 f"needs ({_listed(missing)}): they would be initialised at random. Check that config.json "
                 "(num_hidden_layers, sizes) describes these weights and that no file is missing; or pass "
-                "allow_missing_weights=True to fill them at random (the report lists them)"
+                "allow_missing_weights=True (--allow-missing-weights) to fill them at random (the report lists them)"
             )
         return model.eval(), missing
 
