@@ -310,7 +310,7 @@ def test_resuming_with_an_edited_filter_is_refused(single, tmp_path, stopped_aft
 
 
 def test_a_filter_reading_a_changed_global_is_another_filter():
-    from panther_lite.conversion.saving.compress import filter_fingerprint
+    from panther_lite.conversion.saving.resume_state import filter_fingerprint
 
     namespace = {"WANTED": ("mlp",)}
     exec("def keep(module, name):\n    return any(w in name for w in WANTED)\n", namespace)

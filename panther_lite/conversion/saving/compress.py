@@ -11,10 +11,9 @@ import json
 import os
 import secrets
 import shutil
-import types
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -32,7 +31,7 @@ from ..pipelines.out_of_core import choose_out_of_core
 from ..selection import mark_unconvertible, select_layers
 from .checkpoint_files import CheckpointFiles
 from .pretrained import save_pretrained, save_transformers_config
-from .resume_state import RESUME_DIRECTORY, RunState
+from .resume_state import RESUME_DIRECTORY, RunState, filter_fingerprint
 from .serialization import conversion_config
 from .shards import finalize_shards
 from .staging import staged_directory, staging_path
@@ -49,51 +48,6 @@ _COPIED = ("generation_config.json",)
 Distiller = Callable[[torch.nn.Module, torch.nn.Module, Path], object]
 """``distill(model, teacher, directory)``: trains the converted ``model`` against ``teacher``
 (the original), may write files into ``directory`` (the output, staged)."""  # files of MODEL_DIR the model's own save_pretrained writes too
-
-
-_PLAIN = (str, int, float, bool, type(None), tuple, list, dict, set, frozenset, bytes)
-
-
-def _value_digest(value, seen: set) -> str:
-    """What a filter refers to, as text: plain data by its value, functions by their code,
-    modules and classes by name; ValueError for anything else (its value cannot be told)."""
-    if isinstance(value, types.FunctionType):
-        return _function_digest(value, seen)
-    if isinstance(value, (types.ModuleType, type, types.BuiltinFunctionType)):
-        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value.__name__)}"
-    if isinstance(value, _PLAIN) and " at 0x" not in repr(value):
-        return repr(value)
-    raise ValueError(f"it refers to a {type(value).__name__}, whose value cannot be fingerprinted")
-
-
-def _code_digest(code: types.CodeType) -> str:
-    nested = [_code_digest(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
-    return hashlib.sha256(repr((code.co_code, nested, code.co_names, code.co_varnames)).encode()).hexdigest()
-
-
-def _function_digest(function: types.FunctionType, seen: set) -> str:
-    """A digest of ``function``: its code, defaults, closure and the globals it reads."""
-    if id(function) in seen:
-        return function.__qualname__
-    seen.add(id(function))
-    cells = [cell.cell_contents for cell in function.__closure__ or ()]
-    read = [function.__globals__[name] for name in function.__code__.co_names if name in function.__globals__]
-    parts = [_code_digest(function.__code__), *(_value_digest(value, seen) for value in
-                                                [*(function.__defaults__ or ()), *cells, *read])]
-    return f"{function.__module__}.{function.__qualname__}:" + hashlib.sha256(repr(parts).encode()).hexdigest()
-
-
-def filter_fingerprint(filter_fn) -> Tuple[Optional[str], Optional[str]]:
-    """``(fingerprint, None)`` of a ``filter_fn`` (a plain Python function: its code, defaults,
-    closure and the globals it reads, so an edited lambda differs), or ``(None, why not)``."""
-    if filter_fn is None:
-        return None, None
-    if not isinstance(filter_fn, types.FunctionType):
-        return None, f"filter_fn is a {type(filter_fn).__name__}, not a plain Python function"
-    try:
-        return _function_digest(filter_fn, set()), None
-    except ValueError as error:
-        return None, f"filter_fn {filter_fn.__qualname__}: {error}"
 
 
 def _options_record(config: ConvertConfig, own: dict) -> dict:

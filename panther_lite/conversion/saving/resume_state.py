@@ -1,5 +1,6 @@
 """The bookkeeping of a resumable run, kept in its staging directory: what the run is (a
-fingerprint of the checkpoint, the options, the calibration data and the versions, so that a
+fingerprint of the checkpoint, the options (a ``filter_fn`` by its code,
+:func:`filter_fingerprint`), the calibration data and the versions, so that a
 staging directory is only ever resumed by the same run), the plan, and per finished block its
 report figures and the hidden states the next block receives (with the random generators'
 state); the scratch space holds what is only worth keeping to save work (the captured calls).
@@ -13,20 +14,65 @@ one directory.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
+import types
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .weight_files import writing
 
-__all__ = ["RunState", "RESUME_DIRECTORY"]
+__all__ = ["RunState", "RESUME_DIRECTORY", "filter_fingerprint"]
 
 RESUME_DIRECTORY = ".panther_lite_resume"
 _FORMAT, _VERSION = "panther_lite.resume", 1
+_PLAIN = (str, int, float, bool, type(None), tuple, list, dict, set, frozenset, bytes)
+
+
+def _value_digest(value, seen: set) -> str:
+    """What a filter refers to, as text: plain data by its value, functions by their code,
+    modules and classes by name; ValueError for anything else (its value cannot be told)."""
+    if isinstance(value, types.FunctionType):
+        return _function_digest(value, seen)
+    if isinstance(value, (types.ModuleType, type, types.BuiltinFunctionType)):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value.__name__)}"
+    if isinstance(value, _PLAIN) and " at 0x" not in repr(value):
+        return repr(value)
+    raise ValueError(f"it refers to a {type(value).__name__}, whose value cannot be fingerprinted")
+
+
+def _code_digest(code: types.CodeType) -> str:
+    nested = [_code_digest(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+    return hashlib.sha256(repr((code.co_code, nested, code.co_names, code.co_varnames)).encode()).hexdigest()
+
+
+def _function_digest(function: types.FunctionType, seen: set) -> str:
+    """A digest of ``function``: its code, defaults, closure and the globals it reads."""
+    if id(function) in seen:
+        return function.__qualname__
+    seen.add(id(function))
+    cells = [cell.cell_contents for cell in function.__closure__ or ()]
+    read = [function.__globals__[name] for name in function.__code__.co_names if name in function.__globals__]
+    parts = [_code_digest(function.__code__), *(_value_digest(value, seen) for value in
+                                                [*(function.__defaults__ or ()), *cells, *read])]
+    return f"{function.__module__}.{function.__qualname__}:" + hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def filter_fingerprint(filter_fn) -> Tuple[Optional[str], Optional[str]]:
+    """``(fingerprint, None)`` of a ``filter_fn`` (a plain Python function: its code, defaults,
+    closure and the globals it reads, so an edited lambda differs), or ``(None, why not)``."""
+    if filter_fn is None:
+        return None, None
+    if not isinstance(filter_fn, types.FunctionType):
+        return None, f"filter_fn is a {type(filter_fn).__name__}, not a plain Python function"
+    try:
+        return _function_digest(filter_fn, set()), None
+    except ValueError as error:
+        return None, f"filter_fn {filter_fn.__qualname__}: {error}"
 
 
 def _write_json(path: Path, value: Any) -> None:
