@@ -131,13 +131,15 @@ def _lie(path: Path, how: str) -> None:
     elif how == "shape":
         header[name]["shape"] = [n * 2 for n in header[name]["shape"]]
     elif how == "dtype":
-        header[name]["dtype"] = "Q9"
+        header[name]["dtype"] = 9
+    elif how == "dtype size":
+        header[name]["dtype"] = "F64" if header[name]["dtype"] != "F64" else "F16"
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + size :])
 
 
-LIES = ["truncated", "header size", "offsets", "shape", "dtype"]
+LIES = ["truncated", "header size", "offsets", "shape", "dtype", "dtype size"]
 
 
 @pytest.mark.parametrize("how", LIES)

@@ -32,8 +32,8 @@ def _entry_problem(name, entry, data_size: int):
         return f"tensor {name!r}: its entry is not a JSON object"
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     size = SAFETENSORS_DTYPES[dtype].itemsize if dtype in SAFETENSORS_DTYPES else _OTHER_SIZES.get(dtype)
-    if size is None:
-        return f"tensor {name!r}: unknown dtype {dtype!r}"
+    if not isinstance(dtype, str) or not dtype:
+        return f"tensor {name!r}: dtype {dtype!r} is not a safetensors dtype name"
     if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
         return f"tensor {name!r}: shape {shape!r} is not a list of sizes"
     if (not isinstance(offsets, list) or len(offsets) != 2
@@ -42,7 +42,7 @@ def _entry_problem(name, entry, data_size: int):
     begin, end = offsets
     if not 0 <= begin <= end <= data_size:
         return f"tensor {name!r}: its data [{begin}, {end}) lies outside the file's {data_size} data bytes"
-    if end - begin != math.prod(shape) * size:
+    if size is not None and end - begin != math.prod(shape) * size:  # sub-byte and newer dtypes: offsets only
         return f"tensor {name!r}: {end - begin} bytes of data for shape {shape} of {dtype}"
     return None
 
