@@ -526,3 +526,10 @@ def test_the_command_names_missing_weights_and_its_option_allows_them(checkpoint
     assert not (tmp_path / "out").exists()
     assert main([*argv, "--allow-missing-weights"]) == 0
     assert "initialised at random" in capsys.readouterr().err and (tmp_path / "out" / "config.json").is_file()
+
+
+def test_from_pretrained_names_an_output_config_json_too_deep_to_read(converted, tmp_path):
+    output = Path(shutil.copytree(converted, tmp_path / "out"))
+    (output / "config.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(ValueError, match="config.json.*nested too deeply"):
+        panther_lite.from_pretrained(transformers.AutoModelForCausalLM, output)

@@ -266,8 +266,8 @@ def _concrete_transformers_class(model_class: type, directory: Path) -> type:
 def _load_transformers(model_class, directory: Path, conversion: Mapping, kwargs: dict) -> nn.Module:
     if "output_loading_info" in kwargs:
         raise TypeError("from_pretrained does not take output_loading_info: it checks the loading itself")
+    saved = read_json(directory / "config.json", "a transformers config")  # before transformers reads it
     base = _concrete_transformers_class(model_class, directory)
-    saved = read_json(directory / "config.json", "a transformers config")
     saved_as = (saved.get("architectures") if isinstance(saved, dict) else None) or []
     if conversion["layers"] and saved_as and base.__name__ not in saved_as:
         # another head or base class names its layers differently: the conversion would not fit
