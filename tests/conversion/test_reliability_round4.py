@@ -533,3 +533,16 @@ def test_from_pretrained_names_an_output_config_json_too_deep_to_read(converted,
     (output / "config.json").write_text("[" * 200_000 + "]" * 200_000)
     with pytest.raises(ValueError, match="config.json.*nested too deeply"):
         panther_lite.from_pretrained(transformers.AutoModelForCausalLM, output)
+
+
+@pytest.mark.parametrize("manifest,message", [("[" * 200_000 + "]" * 200_000, "nested too deeply"),
+                                              ("[1, 2]", "an unknown format")], ids=["deep", "a list"])
+def test_a_tampered_resume_manifest_is_a_one_line_error(manifest, message, single, tmp_path, stopped_after_first_block):
+    from panther_lite.conversion.saving.resume_state import RESUME_DIRECTORY
+    from panther_lite.conversion.saving.staging import staging_path
+
+    with stopped_after_first_block():
+        _compress(single, tmp_path / "out")
+    (staging_path(tmp_path / "out") / RESUME_DIRECTORY / "manifest.json").write_text(manifest)
+    with pytest.raises(ValueError, match=message):
+        _compress(single, tmp_path / "out", resume=True)

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .weight_files import writing
+from .weight_files import read_json, writing
 
 __all__ = ["RunState", "RESUME_DIRECTORY", "filter_fingerprint"]
 
@@ -115,9 +115,13 @@ class RunState:
             raise ValueError(f"{str(staging)!r} is in use by another run (it holds the lock of {str(self.root)!r})") from None
         manifest = self.root / "manifest.json"
         if manifest.is_file():
-            saved = json.loads(manifest.read_text())
-            problems = _differences(saved.get("fingerprint", {}), fingerprint) if saved.get("format") == _FORMAT else [
-                "an unknown format"]
+            try:
+                saved = read_json(manifest, "a resume manifest")
+            except ValueError:
+                self.close()
+                raise
+            known = isinstance(saved, dict) and saved.get("format") == _FORMAT
+            problems = _differences(saved.get("fingerprint", {}), fingerprint) if known else ["an unknown format"]
             if problems:
                 self.close()
                 raise ValueError(
@@ -170,7 +174,7 @@ class RunState:
 
     def plan(self) -> Optional[dict]:
         path = self.root / "plan.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        return read_json(path, "a saved plan") if path.is_file() else None
 
     def commit(self, finished: int, record: dict, streams, outside: bool = False) -> None:
         """Record that blocks ``0 .. finished - 1`` (and, with ``outside``, everything outside
@@ -201,7 +205,7 @@ class RunState:
 
     def record(self, name) -> dict:
         """The report entry committed for block ``name`` (an index, or ``"outside"``)."""
-        return json.loads((self.root / "blocks" / f"{name}.json").read_text())
+        return read_json(self.root / "blocks" / f"{name}.json", "a block's record")
 
     def remove(self) -> None:
         """Delete the bookkeeping (the run is complete; the lock goes with it)."""
