@@ -220,7 +220,8 @@ def test_allow_missing_weights_fills_them_at_random_and_the_report_names_them(si
     assert report.attrs["random_weights"] == ["model.layers.1.mlp.down_proj.weight"]
 
 
-@pytest.mark.parametrize("layers,message", [(4, r"lacks .*model\.layers\.3\."), (2, r"holds .* no place for .*model\.layers\.2\.")],
+@pytest.mark.parametrize("layers,message", [(4, r"lacks .*model\.layers\.3\."),
+                                            (2, r"holds .* no place for .*model\.layers\.2\.")],
                          ids=["config says more layers", "config says fewer layers"])
 @pytest.mark.filterwarnings("ignore:compress_checkpoint. loading")
 def test_a_config_that_does_not_describe_the_weights_is_an_error(layers, message, single, tmp_path):

@@ -73,7 +73,8 @@ def read_header(path: Path) -> Tuple[dict, int]:
     return header, 8 + size
 
 
-_FULL = {errno.ENOSPC: "no space left on the device (or a file-size limit reached)", errno.EFBIG: "the file is over the size limit",
+_FULL = {errno.ENOSPC: "no space left on the device (or a file-size limit reached)",
+         errno.EFBIG: "the file is over the size limit",
          errno.EDQUOT: "the disk quota is exceeded"}
 # how torch's and safetensors' writers word a failed write (they may not keep the errno)
 _FULL_WORDS = {"No space left": errno.ENOSPC, "os error 28": errno.ENOSPC, "File too large": errno.EFBIG,
