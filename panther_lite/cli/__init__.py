@@ -21,6 +21,12 @@ INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
 _INPUT_ERRORS = (CommandError, ValueError, TypeError, OSError, RuntimeError, ImportError)
 
 
+def _input_errors() -> tuple:
+    """:data:`_INPUT_ERRORS` and safetensors' own error (a truncated or corrupt file), when loaded."""
+    safetensors = sys.modules.get("safetensors")
+    return _INPUT_ERRORS + ((safetensors.SafetensorError,) if hasattr(safetensors, "SafetensorError") else ())
+
+
 def _prog() -> str:
     """How the user called us: the console script's name, else ``python -m panther_lite``."""
     return SCRIPT if os.path.basename(sys.argv[0] if sys.argv else "").startswith(SCRIPT) else PROG
@@ -53,7 +59,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Terminated:
         print(f"{parser.prog} {args.command}: terminated (SIGTERM); nothing was written to OUT_DIR", file=sys.stderr)
         return TERMINATED
-    except _INPUT_ERRORS as error:
-        one_line = " ".join(str(error).split())  # library messages may span lines
+    except _input_errors() as error:
+        one_line = " ".join(str(error).split()) or (  # library messages may span lines; never print nothing
+            f"{type(error).__name__} without a message (a bug in panther_lite: please report it with this command)")
         print(f"{parser.prog} {args.command}: error: {one_line}", file=sys.stderr)
         return 1

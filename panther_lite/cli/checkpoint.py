@@ -2,7 +2,6 @@
 and a calibration text file turned into tokenized batches."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Dict, List
 
@@ -10,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from ..conversion.calibration.random_tokens import model_positions
+from ..conversion.saving.weight_files import read_json
 from ..extras import require
 
 __all__ = ["CommandError", "check_model_dir", "load_tokenizer", "read_samples", "calibration_batches"]
@@ -31,8 +31,8 @@ def check_model_dir(model_dir: Path) -> None:
             "(one written by save_pretrained)"
         )
     try:
-        model_type = json.loads(config.read_text()).get("model_type")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+        model_type = read_json(config, "a transformers config").get("model_type")
+    except (ValueError, AttributeError) as error:
         raise CommandError(f"{str(config)!r} is not a JSON object: {error}") from None
     if not model_type:
         raise CommandError(f"{str(config)!r} names no model_type: not a transformers model config")

@@ -121,6 +121,9 @@ def add_compress_command(subparsers) -> None:
     command.add_argument("--in-memory", action="store_true",
                          help="load the whole model and convert it in memory (needs memory for the whole model and "
                               "more; by default it is read from MODEL_DIR one block at a time)")
+    command.add_argument("--allow-missing-weights", action="store_true",
+                         help="convert a checkpoint lacking some weights its config needs, those initialised at "
+                              "random (listed in a warning; by default an error naming them)")
     command.add_argument("--quiet", "-q", action="store_true", help="no progress bars or step messages")
     data = command.add_argument_group("calibration batches")
     data.add_argument("--max-samples", type=positive_int, default=128, help="lines used (default 128)")
@@ -189,8 +192,9 @@ def _transformers_bars(shown: bool) -> Iterator[None]:
 def _warn_if_few_tokens(model: nn.Module, tokens: int) -> None:
     """Whitened fits see only the input directions the calibration tokens span: with fewer
     tokens than a layer has inputs, its fit matches the calibration text and little else."""
-    widths = [(kind.weight_matrix(module).shape[1], name) for name, module in model.named_modules()
-              if (kind := kind_of(module)) is not None and kind.linear]
+    widths = [(part.fan_in, name) for name, module in model.named_modules()
+              if (kind := kind_of(module)) is not None and kind.linear
+              for part in kind.record(name, module).parts]  # every kind's records: an experts module's projections too
     widest, name = max(widths, key=lambda width_name: width_name[0], default=(0, ""))  # the first widest
     if tokens < widest:
         print(f"warning: the calibration text has {tokens:,} tokens, fewer than the {widest:,} inputs of {name}: "
@@ -289,6 +293,7 @@ def run_compress(args: argparse.Namespace) -> int:
             report = compress_checkpoint(
                 args.model_dir, args.output, calibration_data=batches, config=config, resume=args.resume,
                 dtype=DTYPES.get(args.dtype), overwrite=args.overwrite, in_memory=args.in_memory,
+                allow_missing_weights=args.allow_missing_weights,
                 distill=distiller(args, text, tokenizer, say),
             )
         except BaseException:

@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..nn.layer_base import INITS
 from ..nn.low_rank_fit import FIT_METHODS
 from ..nn.rank_selection import resolve_rank_multiple
-from ..nn.validation import check_choice, check_fraction, check_positive_int
+from ..nn.validation import check_bool, check_choice, check_fraction, check_positive_int
 from ..sketch.random import check_seed
 
 __all__ = ["ConvertConfig", "RefineConfig", "SizeRequest", "RankSpec", "ALLOCATIONS", "make_config", "device_problem"]
@@ -249,6 +249,27 @@ def _check_blocks(blocks) -> None:
     raise TypeError(f"blocks must be 'auto', None, False or a dotted module path, got {blocks!r}")
 
 
+class ReadOnlyDict(dict):
+    """A dict that refuses changes (TypeError): a config's mapping, copied when the config is
+    made, so what it shows is what its sizes were parsed from. Still a dict for JSON, pickling
+    and copies."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("a ConvertConfig's mappings are read-only: make a new config, e.g. "
+                        "dataclasses.replace(config, rank_pattern={...})")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self):
+        return ReadOnlyDict, (dict(self),)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 @dataclass(frozen=True)
 class ConvertConfig:
     """Every option of :func:`~panther_lite.convert` but the model and the data, validated once,
@@ -368,9 +389,10 @@ class ConvertConfig:
         check_choice("init", self.init, INITS)
         check_choice("allocation", self.allocation, ALLOCATIONS)
         check_choice("decomposition", self.decomposition, FIT_METHODS)
-        if not isinstance(self.sequential, bool):
-            raise TypeError(f"sequential must be True or False, got {self.sequential!r}")
         set_field = functools.partial(object.__setattr__, self)  # the dataclass is frozen
+        set_field("sequential", check_bool("sequential", self.sequential))
+        if self.progress is not None:
+            set_field("progress", check_bool("progress", self.progress))
         set_field("seed", check_seed(self.seed))
         set_field("shrinkage", check_shrinkage(self.shrinkage))
         set_field("calibration_device", _device(self.calibration_device))
@@ -387,8 +409,8 @@ class ConvertConfig:
                 "allocation='global' spreads one budget over the layers: pass param_ratio=... "
                 f"(the budget as a fraction of their dense size), not num_terms/low_rank (got {sizes.default!r})"
             )
-        if self.rank_pattern is not None:
-            set_field("rank_pattern", dict(self.rank_pattern))
+        if self.rank_pattern is not None:  # a read-only copy: what the sizes were parsed from stays what it shows
+            set_field("rank_pattern", ReadOnlyDict(self.rank_pattern))
         set_field("sizes", sizes)
 
     @property

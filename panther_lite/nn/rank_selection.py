@@ -9,6 +9,7 @@ stores ``fan_in·fan_out`` plus the bias. Cost depends on ``L·k`` only, so a bu
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -106,9 +107,9 @@ def resolve_rank_multiple(align: Union[None, str, int], device: Optional[torch.d
         return 1
     if align == "auto":
         return tensor_core_multiple(dtype) if tensor_cores_apply(device, dtype) else 1
-    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+    if isinstance(align, bool) or not isinstance(align, numbers.Integral) or align < 1:
         raise ValueError(f'align must be None, "auto" or an integer >= 1, got {align!r}')
-    return align
+    return int(align)
 
 
 def largest_rank(fan_in: int, fan_out: int, budget: float, *, num_terms: int = 1, bias: bool = True) -> int:

@@ -6,6 +6,7 @@ normalised value; numeric checks return nothing and raise before anything is cha
 """
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Iterable
 from typing import Optional, Sequence, Tuple
@@ -15,6 +16,8 @@ from torch import Tensor
 from torch.nn.parameter import is_lazy
 
 __all__ = [
+    "check_bool",
+    "is_real",
     "check_int",
     "check_positive_int",
     "check_nonnegative_int",
@@ -63,6 +66,20 @@ def check_int(name: str, value, minimum: Optional[int] = None, maximum: Optional
     return number
 
 
+def check_bool(name: str, value) -> bool:
+    """``value`` as a bool: True or False (a numpy bool too); TypeError naming ``name`` for
+    anything else (``"no"``, ``0``, None: truthiness would read a string as True)."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def is_real(value) -> bool:
+    """Whether ``value`` is a real number a Python number could stand for: an int or float of
+    any type (numpy's ``float32``, ``int64``, ...), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ not in ("bool_",)
+
+
 def check_positive_int(name: str, value) -> int:
     """``value`` as an int ``>= 1`` (ValueError naming ``name`` otherwise)."""
     return check_int(name, value, minimum=1)
@@ -76,7 +93,7 @@ def check_nonnegative_int(name: str, value) -> int:
 def check_fraction(name: str, value, what: str = "") -> float:
     """``value`` as a float in ``(0, 1]``; ``what`` (e.g. "stored size as a fraction of the
     dense layer") is added to the message."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value <= 1
+    ok = is_real(value) and 0 < value <= 1
     if not ok:
         meaning = f" ({what})" if what else ""
         raise ValueError(f"{name} must be a number in (0, 1]{meaning}, got {value!r}")

@@ -1,6 +1,8 @@
 """Fast Walsh–Hadamard transform and the entries of the Sylvester Hadamard matrix."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -9,8 +11,9 @@ __all__ = ["fwht", "hadamard_entries", "next_power_of_two"]
 
 def next_power_of_two(n: int) -> int:
     """The smallest power of two ``>= n`` (``n >= 1``)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
         raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    n = int(n)
     return 1 << (n - 1).bit_length()
 
 

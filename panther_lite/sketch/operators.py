@@ -4,6 +4,7 @@ from __future__ import annotations
 import abc
 import copy
 import math
+import numbers
 import warnings
 from typing import Dict, Optional, Tuple, Type
 
@@ -31,9 +32,9 @@ _CPU_SPARSE_MATMUL_DTYPES = (torch.float32, torch.float64)
 
 
 def _check_dim(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+    return int(value)
 
 
 def _check_dtype(dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -266,9 +267,10 @@ class SJLTSketch(SketchOperator):
                  generator: Optional[torch.Generator] = None, dtype: Optional[torch.dtype] = None,
                  device=None) -> None:
         super().__init__(m, n)
-        if isinstance(nnz_per_column, bool) or not isinstance(nnz_per_column, int) or not 1 <= nnz_per_column <= m:
+        if (isinstance(nnz_per_column, bool) or not isinstance(nnz_per_column, numbers.Integral)
+                or not 1 <= nnz_per_column <= m):
             raise ValueError(f"nnz_per_column must be an integer between 1 and m={m}, got {nnz_per_column!r}")
-        self.nnz_per_column = nnz_per_column
+        self.nnz_per_column = int(nnz_per_column)
         dtype = _check_dtype(dtype)
         gen = resolve_generator(seed, generator)
         self.rows = _distinct_rows(m, n, nnz_per_column, gen).to(device)

@@ -2,6 +2,8 @@
 session), small named models and a check that a model is unchanged."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -115,3 +117,30 @@ def assert_unchanged():
             assert [type(m) for m in model.modules()] == types_before
 
     return check
+
+
+class StoppedRun(KeyboardInterrupt):
+    """A compress_checkpoint run stopped on purpose (as Ctrl-C would stop it)."""
+
+
+@pytest.fixture
+def stopped_after_first_block(monkeypatch):
+    """``with stopped_after_first_block(): compress_checkpoint(...)``: the run stops right after
+    its first block is committed (the block expects that stop)."""
+    from panther_lite.conversion.saving.resume_state import RunState
+
+    @contextlib.contextmanager
+    def stopped():
+        commit = RunState.commit
+
+        def commit_then_stop(state, count, *args, **kwargs):
+            commit(state, count, *args, **kwargs)
+            if count == 1:
+                raise StoppedRun
+
+        with monkeypatch.context() as patch:
+            patch.setattr(RunState, "commit", commit_then_stop)
+            with pytest.raises(StoppedRun):
+                yield
+
+    return stopped

@@ -29,7 +29,27 @@ def run_batch(model: nn.Module, batch, index: Optional[int] = None) -> object:
     batch's real-token mask current for the duration (:mod:`.tokens`); ``index`` (the batch's
     position, when known) goes into the error for any other batch."""
     with token_mask(batch_token_mask(batch)):
-        return _call(model, batch.batch if isinstance(batch, MaskedCall) else batch, index)
+        try:
+            return _call(model, batch.batch if isinstance(batch, MaskedCall) else batch, index)
+        except IndexError as error:  # an embedding's "index out of range in self"
+            raise _token_error(model, batch.batch if isinstance(batch, MaskedCall) else batch, index, error) from error
+
+
+def _token_error(model: nn.Module, batch, index: Optional[int], error: IndexError) -> Exception:
+    """An IndexError from running ``batch``, saying which batch holds token ids past the
+    model's vocabulary (its input embedding's rows) when that is why; else ``error`` itself."""
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    rows = getattr(embeddings, "num_embeddings", None)
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else [batch]
+    ids = [t for t in values if isinstance(t, Tensor) and not t.is_floating_point() and t.numel() and not t.is_meta]
+    largest = max((int(t.max()) for t in ids), default=None)
+    if rows is None or largest is None or largest < rows:
+        return error
+    where = "a calibration batch" if index is None else f"calibration batch {index}"
+    return ValueError(
+        f"{where} holds token id {largest}, past the model's vocabulary of {rows} tokens (its input embedding's rows): "
+        "tokenize the calibration data with the model's own tokenizer"
+    )
 
 
 def _call(model: nn.Module, batch, index: Optional[int]) -> object:

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..calibration.experts import ExpertsRecorder
 from ..calibration.tokens import UNALIGNED_NOTE
-from .layer import FitResult, error_ratio, output_error_terms
+from .layer import FitResult, check_built, error_ratio, output_error_terms
 from .planned import warn_uncalibrated
 
 __all__ = ["fit_experts", "measure_weights"]
@@ -98,7 +98,8 @@ def fit_experts(
             record.note(UNALIGNED_NOTE)
     grams = recorder.fit_grams(shrinkage) if calibrated and init == "svd" else None
     sizes = record.sizes
-    new = record.kind.build(record.module, *next(iter(sizes.values())), sizes=sizes, init=init, seed=seed, gram=grams, fit=fit)
+    new = check_built(record, record.kind.build(record.module, *next(iter(sizes.values())), sizes=sizes, init=init,
+                                               seed=seed, gram=grams, fit=fit))
     record.kind.match_trainability(new, record.module)
     label = "calibrated" if grams is not None else init
     parts: Dict[str, FitResult] = {}

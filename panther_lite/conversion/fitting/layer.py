@@ -70,6 +70,30 @@ def output_error(weight: Tensor, approx: Tensor, gram: Tensor) -> float:
     return error_ratio(*output_error_terms(weight, approx, gram))
 
 
+def check_built(record: LayerRecord, new) -> nn.Module:
+    """``new`` if it is what ``record``'s kind says its ``build`` makes (its ``built_type``);
+    TypeError naming the kind and the layer otherwise (a user kind's bug, e.g. a build returning None)."""
+    kind = record.kind
+    if not isinstance(new, kind.built_type):
+        raise TypeError(
+            f"layer kind {kind.name!r}: build() returned {type(new).__name__} for layer {record.name!r}, expected a "
+            f"{kind.built_type.__name__} (the kind's built_type): fix the kind's build"
+        )
+    return new
+
+
+def built_weight(record: LayerRecord, new: nn.Module, weight: Tensor) -> Tensor:
+    """The effective weight of the layer ``new`` built for ``record``, shaped as its dense
+    ``weight``; ValueError naming the kind and the layer when it has another size."""
+    approx = new.effective_weight().detach()
+    if approx.numel() != weight.numel():
+        raise ValueError(
+            f"layer kind {record.kind.name!r}: build() made a layer of weight shape {tuple(approx.shape)} for layer "
+            f"{record.name!r}, whose weight is {tuple(weight.shape)}: fix the kind's build"
+        )
+    return approx.reshape_as(weight)
+
+
 def fit_layer(
     record: LayerRecord,
     init: str,
@@ -90,12 +114,12 @@ def fit_layer(
     if fit_gram is None:
         fit_gram = gram
     fit_gram = fit_gram if init == "svd" and gram is not None and whiten else None
-    new = record.kind.build(
+    new = check_built(record, record.kind.build(
         record.module, record.num_terms, record.low_rank, init=init, seed=seed, gram=fit_gram, fit=fit
-    )
+    ))
     record.kind.match_trainability(new, record.module)
     weight = record.weight_matrix().detach()
-    approx = new.effective_weight().detach().reshape_as(weight)
+    approx = built_weight(record, new, weight)
     counts = new.parameter_counts()
     return FitResult(
         module=new,

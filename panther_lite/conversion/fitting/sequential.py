@@ -48,7 +48,7 @@ from ..calibration.tokens import LayerRows, layer_rows
 from ..records import LayerRecord
 from ..progress import progress_bar
 from ..surgery import swap_modules, undo_swaps
-from .layer import FitResult, layer_seed
+from .layer import FitResult, built_weight, check_built, layer_seed
 
 RIDGE = 1e-2
 """Ridge of the regression, relative to the mean diagonal of ``G̃``: it pulls ``T`` towards
@@ -211,11 +211,12 @@ def _fit_member(record: LayerRecord, stats: _GroupStatistics, seed: Optional[int
     ridge = RIDGE * stats.current.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
     eye = torch.eye(w.shape[1], dtype=w.dtype, device=w.device)
     target = torch.linalg.solve(current + ridge * eye, (shrink(stats.cross, intensity) + ridge * eye) @ w.t()).t()
-    new = record.kind.build(record.module, record.num_terms, record.low_rank, init="sketch", seed=seed)
+    new = check_built(record, record.kind.build(record.module, record.num_terms, record.low_rank, init="sketch",
+                                               seed=seed))
     record.kind.match_trainability(new, record.module)
     new.initialize_from_weight(target.reshape(new.dense_weight_shape).to(weight.dtype), "svd", current, fit=fit)
     del current
-    approx = new.effective_weight().detach().reshape_as(weight)
+    approx = built_weight(record, new, weight)
     a = approx.to(w)
     reference = float(((w @ stats.original) * w).sum())
     squared = float(((a @ stats.current) * a).sum() - 2 * ((a @ stats.cross) * w).sum()) + reference

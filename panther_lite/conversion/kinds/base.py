@@ -128,7 +128,7 @@ class LayerKind:
 
     def weight_matrix(self, module: nn.Module) -> Tensor:
         """The weight as a ``(fan_out, fan_in)`` matrix (a view): ``y = x·Wᵀ`` row by row."""
-        raise NotImplementedError
+        raise NotImplementedError(f"layer kind {self.name!r} has no single weight matrix: read its records' parts")
 
     def input_dimension(self, module: nn.Module) -> Tuple[int, int, str]:
         """``(dim, size, what)``: the input dimension the layer reads, the size it must have,

@@ -6,6 +6,7 @@ from typing import Dict, Optional, Tuple
 
 import torch.nn as nn
 
+from ...nn.validation import check_bool
 from .base import LayerKind
 
 __all__ = ["register_kind", "unregister_kind", "registered_kinds", "kind_of", "kind_named", "converted_kind",
@@ -42,8 +43,16 @@ def register_kind(kind: LayerKind, *, replace: bool = False) -> LayerKind:
     """
     if not isinstance(kind, LayerKind):
         raise TypeError(f"register_kind expects a LayerKind instance, got {type(kind).__name__}")
+    replace = check_bool("replace", replace)
     if not isinstance(kind.name, str) or not kind.name:
         raise ValueError(f"a layer kind needs a non-empty name, got {kind.name!r}")
+    for attribute in ("dense_type", "sketched_type", "built_type", "frozen_type"):
+        value = getattr(kind, attribute, None)
+        if not (isinstance(value, type) or (attribute == "frozen_type" and value is None)):
+            raise TypeError(
+                f"layer kind {kind.name!r}: {attribute} must be a class{' (or None)' if attribute == 'frozen_type' else ''}"
+                f", got {value!r}: pass the class itself, e.g. nn.Linear"
+            )
     if kind.name in _KINDS and not replace:
         raise ValueError(f"a layer kind named {kind.name!r} is registered already; pass replace=True to replace it")
     owner = next((k for k in _KINDS.values() if k.built_type is kind.built_type and k.name != kind.name), None)

@@ -35,10 +35,11 @@ from ..fitting.layer import FitResult
 from ..fitting.planned import fit_planned
 from ..planning.sizes import PlanNote, plan_uniform
 from ..records import LayerRecord, check_finite_weights
-from ..saving.checkpoint_files import CheckpointFiles
+from ..saving.checkpoint_files import CheckpointFiles, check_placed, reported_unexpected
 from ..saving.resume_state import RunState
 from ..saving.serialization import CONFIG_FORMAT, CONFIG_VERSION, apply_conversion_config, conversion_config
 from ..saving.shards import write_part
+from ..saving.weight_files import writing
 from ..surgery import SwapLog, swap_modules, undo_swaps
 from .base import Conversion
 from .blocks import BlockList, BlockRunner, find_blocks, run_block, with_hidden
@@ -162,7 +163,8 @@ class OutOfCore(ByBlocks):
                 runner = BlockRunner(self.job.model, block, self.device)
                 where = self.block_list.prefix(index)[:-1]
                 (hidden,) = run_block(runner, [with_hidden(calls[index], hidden)], self.job.config.cache_device, where)
-            torch.save(hidden, _output_path(self.state, index))
+            with writing(_output_path(self.state, index)):
+                torch.save(hidden, _output_path(self.state, index))
 
     def block_gains(self, blocks: List[nn.Module]) -> List[float]:
         """Each block's squared gain to the output, from the first batch's block outputs (one
@@ -306,7 +308,8 @@ def choose_out_of_core(job: Conversion, files: CheckpointFiles, state: RunState)
     """``(OutOfCore, description)`` when ``job`` (on a skeleton of ``files``' model) can be
     streamed block by block, else ``(None, why not)``: the model has a block list (``blocks``),
     the calibration data is a non-empty list of batches, no parameter is tied across blocks, the
-    checkpoint holds every tensor under the model's names, and replaying the blocks one by one
+    checkpoint holds every tensor under the model's names (and no tensor the model does not
+    place: a ValueError naming them), and replaying the blocks one by one
     gives the whole-model result on every batch (:meth:`OutOfCore.capture`, the block
     pipeline's capture streamed; a resumed run's saved capture). A ``blocks`` path whose blocks
     cannot be replayed exactly is a ValueError. Chosen, the parts outside the blocks are loaded."""
@@ -322,6 +325,7 @@ def choose_out_of_core(job: Conversion, files: CheckpointFiles, state: RunState)
     if tied or missing:
         return None, (f"parameters tied across blocks ({', '.join(tied[0])})" if tied else
                       f"the checkpoint holds no {', '.join(missing[:3])} (names other than the model's)")
+    check_placed(files.directory, reported_unexpected(job.model, parts.unplaced()))
     parts.load(None)
     description = f"{OutOfCore.name}: {description}, each read from the checkpoint only while it is at work"
     pipeline = OutOfCore(block_list, description, config, parts, state)

@@ -79,6 +79,11 @@ class SkeletonParts:
             if getattr(module, attr).is_meta and not any(other in self.files.tensors for other in tied.get(name, [name]))
         ]
 
+    def unplaced(self) -> List[str]:
+        """Names of the checkpoint's tensors that no parameter or buffer of the skeleton has."""
+        placed = {name for part in [None, *range(len(self.block_list.blocks))] for name, *_ in self.slots(part)}
+        return sorted(name for name in self.files.tensors if name not in placed)
+
     def ties_across_parts(self) -> List[List[str]]:
         """The tie groups whose names lie in more than one part (these cannot be streamed)."""
         return [group for group in self.ties if len({self.part_of(name) for name in group}) > 1]

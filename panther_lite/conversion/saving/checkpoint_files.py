@@ -5,8 +5,7 @@ meta device, the tensors of one part read on demand, and a fingerprint of the wh
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
+import re
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -15,15 +14,10 @@ import torch.nn as nn
 
 from ...extras import require
 from .loading import parameters_on_meta
-from .weight_files import SHARD_INDEX_NAME, WEIGHTS_NAME
+from .weight_files import SAFETENSORS_DTYPES, SHARD_INDEX_NAME, WEIGHTS_NAME, read_header, shard_paths
 
 __all__ = ["CheckpointFiles", "auto_class_for", "SAFETENSORS_DTYPES"]
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
 _SAMPLES, _SAMPLE_BYTES = 16, 1 << 16  # content sampled per file for the fingerprint
 
 
@@ -60,21 +54,6 @@ def auto_class_for(config) -> type:
     return own
 
 
-def read_header(path: Path) -> Tuple[dict, int]:
-    """``(tensor entries, offset of the data)`` of a safetensors file, from its header alone
-    (``{name: {"dtype", "shape", "data_offsets"}}``); ValueError naming the file when it is not one."""
-    try:
-        with open(path, "rb") as file:
-            size = struct.unpack("<Q", file.read(8))[0]
-            header = json.loads(file.read(size))
-    except (OSError, struct.error, ValueError, UnicodeDecodeError, MemoryError) as error:
-        raise ValueError(f"{str(path)!r} is not a readable safetensors file (truncated or corrupt?): {error}") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{str(path)!r} is not a safetensors file: its header is not a JSON object")
-    header.pop("__metadata__", None)
-    return header, 8 + size
-
-
 def _weight_files(directory: Path) -> List[Path]:
     """The safetensors files holding the checkpoint's tensors (one file, or the shards its index
     names; none when it has neither, e.g. weights in PyTorch's pickle format only)."""
@@ -88,15 +67,32 @@ def _weight_files(directory: Path) -> List[Path]:
                 "pytorch_model.bin"
             )
         return []
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        names = sorted(set(weight_map.values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ValueError(f"{str(index)!r} is not a shard index (a JSON object with a weight_map): {error}") from None
-    missing = [name for name in names if not (directory / name).is_file()]
-    if missing:
-        raise ValueError(f"{str(index)!r} names shards that are missing: {missing[:5]}")
-    return [directory / name for name in names]
+    return shard_paths(directory)
+
+
+def _listed(names: List[str], most: int = 5) -> str:
+    return ", ".join(names[:most]) + (f", ... ({len(names) - most} more)" if len(names) > most else "")
+
+
+def check_placed(directory: Path, unplaced: List[str]) -> None:
+    """ValueError naming the tensors of the checkpoint in ``directory`` that the model its
+    config builds has no place for (``config.json`` says fewer layers or other names than the
+    weights hold): converting would drop them without a word."""
+    if unplaced:
+        raise ValueError(
+            f"MODEL_DIR {str(directory)!r} holds {len(unplaced)} tensor(s) the model its config.json builds has no "
+            f"place for ({_listed(unplaced)}): they would be dropped. Check that config.json (num_hidden_layers, "
+            "architectures) describes these weights, or remove those tensors"
+        )
+
+
+def reported_unexpected(model: nn.Module, names: Iterable[str]) -> List[str]:
+    """``names`` less those transformers ignores when they are unexpected in a checkpoint
+    (the model's ``_keys_to_ignore_on_load_unexpected``, rotary ``inv_freq``, ``position_ids``)."""
+    patterns = {*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()), r"rotary_emb\.inv_freq",
+                r"(^|\.)position_ids$"}
+    ignored = re.compile("|".join(f"({pattern})" for pattern in patterns))
+    return [name for name in names if ignored.search(name) is None]
 
 
 class CheckpointFiles:
@@ -139,25 +135,43 @@ class CheckpointFiles:
             model = self.auto_class.from_config(self.config, dtype=dtype or self.default_dtype())
         return model.eval()
 
-    def load_whole(self, dtype: Optional[torch.dtype] = None) -> nn.Module:
-        """The whole model, loaded by transformers in ``dtype`` (None: :meth:`default_dtype`), in eval mode."""
+    def load_whole(self, dtype: Optional[torch.dtype] = None, allow_missing: bool = False) -> Tuple[nn.Module, List[str]]:
+        """``(model, random)``: the whole model, loaded by transformers in ``dtype`` (None:
+        :meth:`default_dtype`), in eval mode, and the names of the tensors it initialised at
+        random because the checkpoint lacks them: a ValueError naming them unless
+        ``allow_missing``; tensors the model does not place are always one (:func:`check_placed`)."""
         try:
-            model = self.auto_class.from_pretrained(str(self.directory), dtype=dtype or self.default_dtype())
+            model, info = self.auto_class.from_pretrained(str(self.directory), dtype=dtype or self.default_dtype(),
+                                                          output_loading_info=True)
         except (OSError, ValueError) as error:
             raise ValueError(f"MODEL_DIR {str(self.directory)!r}: the model could not be loaded: {error}") from None
-        return model.eval()
+        check_placed(self.directory, sorted(info["unexpected_keys"]))
+        missing = sorted(info["missing_keys"])
+        if missing and not allow_missing:
+            raise ValueError(
+                f"MODEL_DIR {str(self.directory)!r} lacks {len(missing)} tensor(s) the model its config.json builds "
+                f"needs ({_listed(missing)}): they would be initialised at random. Check that config.json "
+                "(num_hidden_layers, sizes) describes these weights and that no file is missing; or pass "
+                "allow_missing_weights=True (--allow-missing-weights) to fill them at random (the report lists them)"
+            )
+        return model.eval(), missing
 
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         """The tensors ``names`` (all held by the checkpoint), each file opened once and closed
         again (its pages leave the process's memory with it)."""
-        safe_open = require("safetensors", "reading a transformers checkpoint").safe_open
+        safetensors = require("safetensors", "reading a transformers checkpoint")
         by_file: Dict[Path, List[str]] = {}
         for name in names:
             by_file.setdefault(self.tensors[name][0], []).append(name)
         tensors = {}
         for path, wanted in by_file.items():
-            with safe_open(str(path), framework="pt", device="cpu") as file:
-                tensors.update({name: file.get_tensor(name) for name in wanted})
+            try:
+                with safetensors.safe_open(str(path), framework="pt", device="cpu") as file:
+                    tensors.update({name: file.get_tensor(name) for name in wanted})
+            except (safetensors.SafetensorError, OSError, RuntimeError, ValueError) as error:
+                raise ValueError(
+                    f"{str(path)!r} could not be read (changed, truncated or corrupt since it was opened?): {error}"
+                ) from None
         return tensors
 
     def fingerprint(self) -> str:

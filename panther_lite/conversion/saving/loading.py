@@ -17,7 +17,6 @@ sketched layers' tensors unexpected, their dense weights missing): use :func:`fr
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import warnings
@@ -33,7 +32,7 @@ from .pretrained_format import (
     hf_submodels, pretrained_model_class, relative_config, sentence_transformer_classes,
 )
 from .serialization import apply_conversion_config
-from .weight_files import WEIGHTS_NAME, load_weights_file, read_weights
+from .weight_files import WEIGHTS_NAME, check_weight_files, load_weights_file, read_json, read_weights
 
 __all__ = ["from_pretrained", "parameters_on_meta"]
 
@@ -49,10 +48,7 @@ def _read_record(directory: PathLike) -> Tuple[Path, dict]:
         raise FileNotFoundError(
             f"{str(directory)!r} has no {PRETRAINED_CONFIG_NAME}: it was not saved by panther_lite.save_pretrained"
         )
-    try:
-        record = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{str(path)!r} is not valid JSON: {error}") from None
+    record = read_json(path, "a panther_lite save record")
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise ValueError(f"{str(path)!r} is not a panther_lite save (expected format {FORMAT!r})")
     if record.get("version") != VERSION:
@@ -86,8 +82,9 @@ def _concrete_transformers_class(model_class: type, directory: Path) -> type:
 def _load_transformers(model_class, directory: Path, conversion: Mapping, kwargs: dict) -> nn.Module:
     if "output_loading_info" in kwargs:
         raise TypeError("from_pretrained does not take output_loading_info: it checks the loading itself")
+    saved = read_json(directory / "config.json", "a transformers config")  # before transformers reads it
     base = _concrete_transformers_class(model_class, directory)
-    saved_as = json.loads((directory / "config.json").read_text()).get("architectures") or []
+    saved_as = (saved.get("architectures") if isinstance(saved, dict) else None) or []
     if conversion["layers"] and saved_as and base.__name__ not in saved_as:
         # another head or base class names its layers differently: the conversion would not fit
         raise ValueError(
@@ -100,6 +97,7 @@ def _load_transformers(model_class, directory: Path, conversion: Mapping, kwargs
         apply_conversion_config(self, conversion)
 
     converting = type(base.__name__, (base,), dict(__init__=__init__, __module__=base.__module__))
+    check_weight_files(directory)
     model, info = converting.from_pretrained(str(directory), output_loading_info=True, **kwargs)
     model.__class__ = base
     model.config.__dict__.pop(HF_CONFIG_KEY, None)

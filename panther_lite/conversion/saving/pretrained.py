@@ -26,8 +26,8 @@ from .pretrained_format import (
     FORMAT, HF_CONFIG_KEY, PRETRAINED_CONFIG_NAME, SENTENCE_TRANSFORMERS, STATE_DICT, TRANSFORMERS, VERSION, PathLike,
     hf_submodels, pretrained_model_class, relative_config, sentence_transformer_classes,
 )
-from .serialization import conversion_config
-from .weight_files import WEIGHTS_NAME
+from .serialization import conversion_config, own_names_for_experts
+from .weight_files import WEIGHTS_NAME, writing
 
 __all__ = ["save_pretrained", "PRETRAINED_CONFIG_NAME", "save_transformers_config", "write_pretrained_record"]
 
@@ -81,7 +81,7 @@ def _write_model_files(model: nn.Module, saved_with: str, directory: Path, conve
         return
     with _recorded_in_configs(model, conversion):
         if saved_with == TRANSFORMERS:
-            model.save_pretrained(str(directory))
+            model.save_pretrained(str(directory), **own_names_for_experts(model))
         else:
             model.save(str(directory))
 
@@ -155,9 +155,10 @@ def save_pretrained(model: nn.Module, directory: PathLike) -> None:
     # staged inside the target (same filesystem for the renames; its parent may be read-only)
     staging = Path(tempfile.mkdtemp(prefix=".panther_lite_staging.", dir=directory))
     try:
-        _write_model_files(model, saved_with, staging, conversion)
-        write_pretrained_record(staging, saved_with, conversion)
-        _move_into(staging, directory)
+        with writing(directory):
+            _write_model_files(model, saved_with, staging, conversion)
+            write_pretrained_record(staging, saved_with, conversion)
+            _move_into(staging, directory)
     except BaseException:
         if created:  # nothing of this call is left behind
             shutil.rmtree(directory, ignore_errors=True)

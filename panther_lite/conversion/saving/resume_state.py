@@ -1,5 +1,6 @@
 """The bookkeeping of a resumable run, kept in its staging directory: what the run is (a
-fingerprint of the checkpoint, the options, the calibration data and the versions, so that a
+fingerprint of the checkpoint, the options (a ``filter_fn`` by its code,
+:func:`filter_fingerprint`), the calibration data and the versions, so that a
 staging directory is only ever resumed by the same run), the plan, and per finished block its
 report figures and the hidden states the next block receives (with the random generators'
 state); the scratch space holds what is only worth keeping to save work (the captured calls).
@@ -13,23 +14,71 @@ one directory.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
+import types
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["RunState", "RESUME_DIRECTORY"]
+from .weight_files import read_json, writing
+
+__all__ = ["RunState", "RESUME_DIRECTORY", "filter_fingerprint"]
 
 RESUME_DIRECTORY = ".panther_lite_resume"
 _FORMAT, _VERSION = "panther_lite.resume", 1
+_PLAIN = (str, int, float, bool, type(None), tuple, list, dict, set, frozenset, bytes)
+
+
+def _value_digest(value, seen: set) -> str:
+    """What a filter refers to, as text: plain data by its value, functions by their code,
+    modules and classes by name; ValueError for anything else (its value cannot be told)."""
+    if isinstance(value, types.FunctionType):
+        return _function_digest(value, seen)
+    if isinstance(value, (types.ModuleType, type, types.BuiltinFunctionType)):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value.__name__)}"
+    if isinstance(value, _PLAIN) and " at 0x" not in repr(value):
+        return repr(value)
+    raise ValueError(f"it refers to a {type(value).__name__}, whose value cannot be fingerprinted")
+
+
+def _code_digest(code: types.CodeType) -> str:
+    nested = [_code_digest(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+    return hashlib.sha256(repr((code.co_code, nested, code.co_names, code.co_varnames)).encode()).hexdigest()
+
+
+def _function_digest(function: types.FunctionType, seen: set) -> str:
+    """A digest of ``function``: its code, defaults, closure and the globals it reads."""
+    if id(function) in seen:
+        return function.__qualname__
+    seen.add(id(function))
+    cells = [cell.cell_contents for cell in function.__closure__ or ()]
+    read = [function.__globals__[name] for name in function.__code__.co_names if name in function.__globals__]
+    parts = [_code_digest(function.__code__), *(_value_digest(value, seen) for value in
+                                                [*(function.__defaults__ or ()), *cells, *read])]
+    return f"{function.__module__}.{function.__qualname__}:" + hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def filter_fingerprint(filter_fn) -> Tuple[Optional[str], Optional[str]]:
+    """``(fingerprint, None)`` of a ``filter_fn`` (a plain Python function: its code, defaults,
+    closure and the globals it reads, so an edited lambda differs), or ``(None, why not)``."""
+    if filter_fn is None:
+        return None, None
+    if not isinstance(filter_fn, types.FunctionType):
+        return None, f"filter_fn is a {type(filter_fn).__name__}, not a plain Python function"
+    try:
+        return _function_digest(filter_fn, set()), None
+    except ValueError as error:
+        return None, f"filter_fn {filter_fn.__qualname__}: {error}"
 
 
 def _write_json(path: Path, value: Any) -> None:
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(value, indent=1) + "\n")
+    with writing(temporary):
+        temporary.write_text(json.dumps(value, indent=1) + "\n")
     os.replace(temporary, path)
 
 
@@ -66,15 +115,25 @@ class RunState:
             raise ValueError(f"{str(staging)!r} is in use by another run (it holds the lock of {str(self.root)!r})") from None
         manifest = self.root / "manifest.json"
         if manifest.is_file():
-            saved = json.loads(manifest.read_text())
-            problems = _differences(saved.get("fingerprint", {}), fingerprint) if saved.get("format") == _FORMAT else [
-                "an unknown format"]
+            try:
+                saved = read_json(manifest, "a resume manifest")
+            except ValueError:
+                self.close()
+                raise
+            known = isinstance(saved, dict) and saved.get("format") == _FORMAT
+            problems = _differences(saved.get("fingerprint", {}), fingerprint) if known else ["an unknown format"]
             if problems:
                 self.close()
                 raise ValueError(
                     f"cannot resume from {str(staging)!r}: it was made from {'; '.join(problems)}; delete it to start "
                     "again, or resume with what made it"
                 )
+        elif any(entry.name != RESUME_DIRECTORY for entry in staging.iterdir()):
+            self.close()
+            raise ValueError(
+                f"cannot resume from {str(staging)!r}: it holds files but no record of the run that wrote them "
+                "(stopped while finishing?), so they cannot be checked against this run; delete it to start again"
+            )
         else:
             _write_json(manifest, dict(format=_FORMAT, version=_VERSION, fingerprint=fingerprint))
 
@@ -97,7 +156,8 @@ class RunState:
         """``value`` (tensors in lists, tuples and dicts) saved as ``name`` in the scratch space,
         whole or not at all."""
         temporary = self.scratch(name + ".tmp")
-        torch.save(value, temporary)
+        with writing(temporary):
+            torch.save(value, temporary)
         os.replace(temporary, self.scratch(name))
 
     def load_scratch(self, name: str):
@@ -114,7 +174,7 @@ class RunState:
 
     def plan(self) -> Optional[dict]:
         path = self.root / "plan.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        return read_json(path, "a saved plan") if path.is_file() else None
 
     def commit(self, finished: int, record: dict, streams, outside: bool = False) -> None:
         """Record that blocks ``0 .. finished - 1`` (and, with ``outside``, everything outside
@@ -124,7 +184,8 @@ class RunState:
         state = dict(finished=finished, outside=outside, streams=streams, rng=torch.get_rng_state(),
                      cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])
         temporary = self.root / "progress.pt.tmp"
-        torch.save(state, temporary)
+        with writing(temporary):
+            torch.save(state, temporary)
         os.replace(temporary, self.root / "progress.pt")
 
     def progress(self) -> Dict[str, Any]:
@@ -144,7 +205,7 @@ class RunState:
 
     def record(self, name) -> dict:
         """The report entry committed for block ``name`` (an index, or ``"outside"``)."""
-        return json.loads((self.root / "blocks" / f"{name}.json").read_text())
+        return read_json(self.root / "blocks" / f"{name}.json", "a block's record")
 
     def remove(self) -> None:
         """Delete the bookkeeping (the run is complete; the lock goes with it)."""

@@ -3,6 +3,8 @@ layers, each entry written by its layer kind, and rebuilding that layout in a fr
 dense model so a converted ``state_dict`` loads into it."""
 from __future__ import annotations
 
+import collections
+import inspect
 import operator
 import warnings
 from typing import List, Mapping, Tuple
@@ -95,8 +97,8 @@ def _check_config(config) -> List[Tuple[Mapping, LayerKind]]:
     if not isinstance(config["layers"], (list, tuple)):
         raise ValueError(f"config['layers'] must be a list, got {type(config['layers']).__name__}")
     entries = [(entry, _check_entry(index, entry)) for index, entry in enumerate(config["layers"])]
-    names = [entry["name"] for entry, _ in entries]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
+    counts = collections.Counter(entry["name"] for entry, _ in entries)
+    duplicates = sorted(name for name, count in counts.items() if count > 1)
     if duplicates:
         raise ValueError(f"config['layers'] lists {duplicates} more than once")
     return entries
@@ -158,3 +160,17 @@ def apply_conversion_config(model: nn.Module, config: Mapping) -> nn.Module:
         replacements.append((entry["name"], new))
     swap_modules(model, replacements)
     return model
+
+
+def own_names_for_experts(model: nn.Module) -> dict:
+    """``save_original_format=False`` for a transformers model holding sketched or frozen experts:
+    transformers' save would otherwise split the tensors its fused-experts converters match
+    (``experts.gate_up_proj.S1``, ...) as if they were the dense stacks, which fails ("Undefined
+    Operation") or stores them under other names. The model's own names load back as they are."""
+    from ..kinds.experts import EXPERTS
+
+    experts = (EXPERTS.sketched_type, EXPERTS.frozen_type)
+    if not any(isinstance(module, experts) for module in model.modules()):
+        return {}
+    accepted = "save_original_format" in inspect.signature(model.save_pretrained).parameters
+    return {"save_original_format": False} if accepted else {}

@@ -11,8 +11,7 @@ from typing import Dict, List
 from torch import Tensor
 
 from ...extras import require
-from .checkpoint_files import read_header
-from .weight_files import SHARD_INDEX_NAME
+from .weight_files import SHARD_INDEX_NAME, read_header, writing
 
 __all__ = ["write_part", "finalize_shards", "shard_name"]
 
@@ -23,7 +22,8 @@ def write_part(path: Path, tensors: Dict[str, Tensor]) -> None:
     leaves at most the temporary file, rewritten by the next attempt)."""
     save_file = require("safetensors.torch", "writing safetensors shards").save_file
     temporary = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(temporary), metadata={"format": "pt"})
+    with writing(temporary):
+        save_file(tensors, str(temporary), metadata={"format": "pt"})
     os.replace(temporary, path)
 
 
@@ -48,5 +48,6 @@ def finalize_shards(parts: List[Path], directory: Path) -> Path:
             total += end - begin
     index_path = directory / SHARD_INDEX_NAME
     record = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    index_path.write_text(json.dumps(record, indent=2) + "\n")
+    with writing(index_path):
+        index_path.write_text(json.dumps(record, indent=2) + "\n")
     return index_path

@@ -9,6 +9,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import warnings
 from pathlib import Path
@@ -19,6 +20,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from ...extras import require
+from ...nn.validation import check_bool
 from ...version import __version__
 from ..calibration.batches import CalibrationData
 from ..config import ConvertConfig
@@ -29,10 +31,11 @@ from .convert import convert, run_pipeline
 from .setup import conversion_job, conversion_options
 from ..saving.checkpoint_files import CheckpointFiles
 from ..saving.pretrained import save_pretrained, save_transformers_config
-from ..saving.resume_state import RunState
+from ..saving.resume_state import RESUME_DIRECTORY, RunState, filter_fingerprint
 from ..saving.serialization import conversion_config
 from ..saving.shards import finalize_shards
-from ..saving.staging import staged_directory
+from ..saving.staging import staged_directory, staging_path
+from ..saving.weight_files import writing
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -49,8 +52,8 @@ Distiller = Callable[[torch.nn.Module, torch.nn.Module, Path], object]
 def _options_record(config: ConvertConfig, own: dict) -> dict:
     """The options that shape the result, as JSON (``progress`` does not)."""
     options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init and f.name != "progress"}
-    filter_fn = options["filter_fn"]
-    options["filter_fn"] = None if filter_fn is None else f"{filter_fn.__module__}.{filter_fn.__qualname__}"
+    fingerprint, problem = filter_fingerprint(options["filter_fn"])
+    options["filter_fn"] = fingerprint if problem is None else f"not fingerprinted ({secrets.token_hex(8)})"
     options["refine"] = None if config.refine is None else dataclasses.asdict(config.refine)
     return json.loads(json.dumps({**options, **own}, default=str))
 
@@ -111,14 +114,19 @@ def _copy_side_files(files: CheckpointFiles, directory: Path) -> None:
 
 def _convert_whole(
     files: CheckpointFiles, dtype: torch.dtype, config: ConvertConfig, data: CalibrationData, directory: Path,
-    why: str, distill: Optional[Distiller],
+    why: str, distill: Optional[Distiller], allow_missing: bool,
 ) -> "pd.DataFrame":
-    """The checkpoint loaded whole, converted (then distilled against a copy of the original) and saved."""
-    model = files.load_whole(dtype)
+    """The checkpoint loaded whole, converted (then distilled against a copy of the original) and saved;
+    tensors it lacks are an error unless ``allow_missing`` (then ``attrs["random_weights"]`` names them)."""
+    model, random = files.load_whole(dtype, allow_missing)
+    if random:
+        warnings.warn(f"compress_checkpoint: MODEL_DIR lacks {len(random)} tensor(s), initialised at random "
+                      f"(allow_missing_weights=True): {', '.join(random[:5])}", UserWarning, stacklevel=4)
     teacher = None if distill is None else copy.deepcopy(model)  # a second model only when distilling
     with without_kv_cache(model):
         report = convert(model, config, calibration_data=data.source)
     report.attrs["pipeline"] += f" (the model loaded whole: {why})"
+    report.attrs["random_weights"] = random
     if distill is not None:
         distill(model, teacher, directory)
         del teacher
@@ -128,7 +136,7 @@ def _convert_whole(
 
 def _convert_into(
     files: CheckpointFiles, dtype: torch.dtype, config: ConvertConfig, data: CalibrationData, state: RunState,
-    directory: Path, in_memory: bool, distill: Optional[Distiller],
+    directory: Path, in_memory: bool, allow_missing: bool, distill: Optional[Distiller],
 ) -> "pd.DataFrame":
     """Convert the checkpoint into ``directory``: streamed when it can be, else loaded whole."""
     model = files.skeleton(dtype)
@@ -140,7 +148,7 @@ def _convert_into(
     if pipeline is None:
         if not in_memory and distill is None:
             warnings.warn(f"compress_checkpoint: loading {str(files.directory)!r} whole: {why}", UserWarning, stacklevel=3)
-        report = _convert_whole(files, dtype, config, data, directory, why, distill)
+        report = _convert_whole(files, dtype, config, data, directory, why, distill, allow_missing)
     else:
         with without_kv_cache(model):
             report, _ = run_pipeline(job, pipeline)
@@ -162,7 +170,7 @@ def _check_dtype(dtype) -> Optional[torch.dtype]:
 def compress_checkpoint(
     model_dir, output_dir, *, calibration_data, config: Optional[ConvertConfig] = None, resume: bool = False,
     distill: Optional[Distiller] = None, dtype: Optional[torch.dtype] = None, overwrite: bool = False,
-    in_memory: bool = False, **options,
+    in_memory: bool = False, allow_missing_weights: bool = False, **options,
 ) -> "pd.DataFrame":
     """Convert the transformers checkpoint in ``model_dir`` (:func:`~panther_lite.convert`'s
     conversion) into ``output_dir`` without loading the model whole, so models larger than
@@ -198,6 +206,10 @@ def compress_checkpoint(
             floating-point ``torch.dtype``.
         overwrite: replace a non-empty ``output_dir``.
         in_memory: load the model whole and convert it in memory.
+        allow_missing_weights: a checkpoint lacking tensors the model needs is loaded whole with
+            those initialised at random, named in the report's ``attrs["random_weights"]``; by
+            default it is a ValueError naming them, as is one holding tensors the model does not
+            place. Each flag is True or False (TypeError otherwise).
         distill: None, or a callable ``(model, teacher, directory)`` run after the conversion and
             before the model is saved, e.g. one calling :func:`~panther_lite.distill`: the
             checkpoint is then loaded whole and a copy of it kept as ``teacher`` (the original),
@@ -219,9 +231,10 @@ def compress_checkpoint(
         ``convert``'s report; ``attrs["pipeline"]`` says which pipeline ran and why.
     """
     dtype = _check_dtype(dtype)
-    for name, flag in (("resume", resume), ("overwrite", overwrite), ("in_memory", in_memory)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"compress_checkpoint: {name} must be True or False, got {flag!r}")
+    resume, overwrite, in_memory, allow_missing_weights = (
+        check_bool(name, flag) for name, flag in (("resume", resume), ("overwrite", overwrite),
+                                                  ("in_memory", in_memory), ("allow_missing_weights", allow_missing_weights))
+    )
     if distill is not None and not callable(distill):
         raise TypeError(f"distill must be None or a callable (model, teacher, directory), got {type(distill).__name__}")
     config, data = conversion_options(config, options, calibration_data, caller="compress_checkpoint")
@@ -230,15 +243,34 @@ def compress_checkpoint(
             raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(path).__name__}")
     files = CheckpointFiles(Path(model_dir))
     dtype = dtype or files.default_dtype()
-    fingerprint = _fingerprint(files, config, data, {"dtype": str(dtype), "overwrite": overwrite, "in_memory": in_memory})
-    inputs = {"MODEL_DIR": Path(model_dir)}
-    with staged_directory(Path(output_dir), overwrite, inputs, resume) as staging:
-        state = RunState(staging.path, fingerprint)
-        try:
-            report = _convert_into(files, dtype, config, data, state, staging.path, in_memory, distill)
-        except BaseException:
-            staging.keep = state.holds_work
+    own = {"dtype": str(dtype), "overwrite": overwrite, "in_memory": in_memory, "allow_missing_weights": allow_missing_weights}
+    fingerprint = _fingerprint(files, config, data, own)
+    _check_resumable_filter(config, output_dir, resume)
+    state = None
+    try:
+        with staged_directory(Path(output_dir), overwrite, {"MODEL_DIR": Path(model_dir)}, resume) as staging:
+            state = RunState(staging.path, fingerprint)
+            try:
+                with writing(staging.path):
+                    report = _convert_into(files, dtype, config, data, state, staging.path, in_memory,
+                                           allow_missing_weights, distill)
+            except BaseException:
+                staging.keep = state.holds_work
+                raise
+            staging.keep = True  # the record goes into place with the output, removed once it is there
+    finally:
+        if state is not None:
             state.close()
-            raise
-        state.remove()
+    shutil.rmtree(Path(os.path.realpath(output_dir)) / RESUME_DIRECTORY, ignore_errors=True)
     return report
+
+
+def _check_resumable_filter(config: ConvertConfig, output_dir, resume: bool) -> None:
+    """ValueError when resuming a run whose ``filter_fn`` cannot be fingerprinted."""
+    _, unfingerprinted = filter_fingerprint(config.filter_fn)
+    if resume and unfingerprinted and staging_path(Path(output_dir)).exists():
+        raise ValueError(
+            f"cannot resume with this filter_fn: {unfingerprinted}, so whether it selects what the stopped run "
+            "selected cannot be checked; pass a plain function (def or lambda), or delete "
+            f"{str(staging_path(Path(output_dir)))!r} to start again"
+        )

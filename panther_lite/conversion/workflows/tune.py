@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from ...nn.validation import check_positive_int, is_real
 from .convert import convert_undoable
 from ..calibration.batches import CalibrationData
 from ..config import ConvertConfig, make_config
@@ -53,7 +54,7 @@ class SearchStep:
 
 
 def _check_number(name: str, value, low: float, high: float, closed_low: bool = True) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = is_real(value) and math.isfinite(value)
     if not ok or not (low <= value if closed_low else low < value) or value > high:
         bracket = "[" if closed_low else "("
         raise ValueError(f"{name} must be a number in {bracket}{low:g}, {high:g}], got {value!r}")
@@ -109,8 +110,7 @@ def _check_tune_arguments(model, evaluate, tolerance, ratio_range, resolution, m
     low = _check_number("ratio_range low", ratio_range[0], 0.0, 1.0, closed_low=False)
     high = _check_number("ratio_range high", ratio_range[1], low, 1.0, closed_low=False)
     _check_number("resolution", resolution, 0.0, math.inf, closed_low=False)
-    if isinstance(max_evaluations, bool) or not isinstance(max_evaluations, int) or max_evaluations < 1:
-        raise ValueError(f"max_evaluations must be an integer >= 1, got {max_evaluations!r}")
+    check_positive_int("max_evaluations", max_evaluations)
     _warn_if_converted(model)
     return low, high
 

@@ -15,7 +15,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import panther_lite  # noqa: E402
-from panther_lite.conversion.saving.resume_state import RunState  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:.*gradient_checkpointing")]
 
@@ -83,30 +82,17 @@ def test_a_checkpoint_with_the_models_names_streams_and_equals_convert_in_memory
     assert _logit_error(tmp_path / "out", expected, batches) <= 1e-4
 
 
-class _Stop(KeyboardInterrupt):
-    pass
-
-
 def _tree(root: Path) -> dict:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
             if p.is_file() and p.name != "report.png"}
 
 
-def test_a_stopped_streamed_moe_run_resumes_bit_for_bit(moe, tmp_path, monkeypatch):
+def test_a_stopped_streamed_moe_run_resumes_bit_for_bit(moe, tmp_path, stopped_after_first_block):
     model_dir, batches = _own_names(moe, "mixtral", tmp_path / "model"), _batches(moe)
     options = dict(param_ratio=0.5, allocation="global", progress=False)
     whole = panther_lite.compress_checkpoint(model_dir, tmp_path / "whole", calibration_data=batches, **options)
-    commit = RunState.commit
-
-    def commit_then_stop(state, count, *args, **kwargs):
-        commit(state, count, *args, **kwargs)
-        if count == 1:
-            raise _Stop
-
-    with monkeypatch.context() as patch:
-        patch.setattr(RunState, "commit", commit_then_stop)
-        with pytest.raises(_Stop):
-            panther_lite.compress_checkpoint(model_dir, tmp_path / "out", calibration_data=batches, **options)
+    with stopped_after_first_block():
+        panther_lite.compress_checkpoint(model_dir, tmp_path / "out", calibration_data=batches, **options)
     resumed = panther_lite.compress_checkpoint(model_dir, tmp_path / "out", calibration_data=batches, resume=True,
                                                **options)
     assert resumed.equals(whole) and _tree(tmp_path / "out") == _tree(tmp_path / "whole")
