@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 from typing import Iterable, Optional, Union
 
+from ..nn.validation import check_bool
+
 __all__ = ["progress_bar"]
 
 
@@ -18,6 +20,8 @@ def progress_bar(
         >>> progress_bar([1, 2], "fitting", "layer", progress=False)
         [1, 2]
     """
+    if progress is not None:
+        check_bool("progress", progress)
     if progress is False or (progress is None and not sys.stderr.isatty()):
         return iterable
     from tqdm.auto import tqdm

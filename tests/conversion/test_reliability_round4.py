@@ -480,7 +480,7 @@ def test_the_command_reports_a_safetensors_error_on_one_line(monkeypatch, checkp
 
 
 def test_register_kind_replace_and_progress_flags_must_be_booleans():
-    from panther_lite.conversion.rules import progress_bar
+    from panther_lite.conversion.progress import progress_bar
 
     with pytest.raises(TypeError, match="replace must be True or False, got str 'no'"):
         panther_lite.register_kind(_kind(), replace="no")
