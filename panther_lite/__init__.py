@@ -23,6 +23,7 @@ from .conversion import (
     save_pretrained,
     tune,
 )
+from .conversion.saving.hf_registration import install_transformers_plugin
 from .nn import SKConv1d, SKConv2d, SKConv3d, SKExperts, SKLinear
 
 __version__ = "0.2.0"
@@ -57,6 +58,9 @@ __all__ = [
 ]
 
 _LAZY_SUBMODULES = ("benchmark",)
+
+# AutoModel*.from_pretrained of a panther_lite output builds its sketched layers (transformers' plugin)
+install_transformers_plugin()
 
 
 def __getattr__(name: str):

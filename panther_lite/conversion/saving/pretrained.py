@@ -3,21 +3,21 @@
 ``save_pretrained(model, directory)`` writes what the model's own library writes (Hugging Face
 ``save_pretrained`` with safetensors, sentence-transformers' ``save``, or a safetensors
 ``state_dict`` for any other module) and ``panther_lite_config.json`` with the conversion
-config; for Hugging Face models also in each ``config.json`` under ``"panther_lite"``.
+config; for Hugging Face models also in each ``config.json`` as its ``quantization_config``
+(``"quant_method": "panther_lite"``, :mod:`.hf_quantizer`), so that after ``import panther_lite``
+a plain ``AutoModel*.from_pretrained`` builds the sketched layers too.
 
 ``from_pretrained(model_class_or_factory, directory, **kwargs)`` builds the dense
 architecture, swaps in sketched layers of the recorded sizes and loads the weights:
 
-- transformers classes: a one-off subclass applies the conversion at the end of
-  ``__init__``, so transformers' own loader (meta-device init, dtype, ``device_map``, tied
-  weights) fills the sketched layers directly; the returned model is of the class asked for;
+- transformers classes: through the same quantizer plugin (outputs of earlier versions, which
+  recorded the conversion under ``config.json``'s ``"panther_lite"``, get it passed in), so
+  transformers' own loader (meta-device init, dtype, ``device_map``, tied weights) fills the
+  sketched layers directly; the returned model is of the class asked for;
 - sentence-transformers classes: sentence-transformers builds its modules itself, so the
   layers that were converted are built dense (initialised once), swapped, then loaded;
 - any other factory: it runs with parameters on the meta device (no initialisation cost),
   then the state_dict is assigned.
-
-A plain ``AutoModel.from_pretrained`` of such a directory loads the dense architecture (the
-sketched layers' tensors unexpected, their dense weights missing): use :func:`from_pretrained`.
 """
 from __future__ import annotations
 
@@ -37,14 +37,17 @@ import torch.nn as nn
 
 from ...extras import require
 from ..deploy.quantized import check_storable, warn_if_quantized_beside
+from .hf_guard import guard_saved_configs
+from .hf_registration import transformers_plugin
 from .serialization import apply_conversion_config, conversion_config
 from .weight_files import WEIGHTS_NAME, load_weights_file, read_weights
 
 __all__ = ["save_pretrained", "from_pretrained", "PRETRAINED_CONFIG_NAME", "save_transformers_config"]
 
 PRETRAINED_CONFIG_NAME = "panther_lite_config.json"
+_QUANTIZATION_KEY = "quantization_config"
 _FORMAT, _VERSION = "panther_lite.pretrained", 1
-# the key under which each saved Hugging Face config.json records its own conversion
+# where config.json recorded its conversion before the quantizer plugin (read, never written)
 HF_CONFIG_KEY = "panther_lite"
 
 _TRANSFORMERS, _SENTENCE_TRANSFORMERS, _STATE_DICT = "transformers", "sentence-transformers", "state_dict"
@@ -102,20 +105,21 @@ def _relative_config(conversion: Mapping, prefix: str) -> dict:
 
 @contextlib.contextmanager
 def _recorded_in_configs(model: nn.Module, conversion: Mapping) -> Iterator[None]:
-    """Set ``config.panther_lite`` on each transformers model inside ``model`` for as long as it
-    is being saved, then put the configs back as they were."""
+    """Set ``config.quantization_config`` (panther_lite's, :mod:`.hf_quantizer`) on each
+    transformers model inside ``model`` for as long as it is being saved, then put the configs
+    back as they were."""
     configs = [(sub.config, _relative_config(conversion, prefix)) for prefix, sub in _hf_submodels(model)]
-    previous = [config.__dict__.get(HF_CONFIG_KEY) for config, _ in configs]
+    previous = [config.__dict__.get(_QUANTIZATION_KEY) for config, _ in configs]
     try:
         for config, relative in configs:
-            setattr(config, HF_CONFIG_KEY, relative)
+            config.quantization_config = transformers_plugin().PantherLiteConfig(conversion=relative)
         yield
     finally:
         for (config, _), old in zip(configs, previous):
             if old is None:
-                config.__dict__.pop(HF_CONFIG_KEY, None)
+                config.__dict__.pop(_QUANTIZATION_KEY, None)
             else:
-                setattr(config, HF_CONFIG_KEY, old)
+                config.quantization_config = old
 
 
 def _check_layers_reloadable(model: nn.Module, conversion: Mapping) -> None:
@@ -137,10 +141,8 @@ def _write_model_files(model: nn.Module, saved_with: str, directory: Path, conve
         save_model(model, str(directory / WEIGHTS_NAME))
         return
     with _recorded_in_configs(model, conversion):
-        if saved_with == _TRANSFORMERS:
-            model.save_pretrained(str(directory))
-        else:
-            model.save(str(directory))
+        model.save_pretrained(str(directory)) if saved_with == _TRANSFORMERS else model.save(str(directory))
+    guard_saved_configs(directory)
 
 
 def _move_into(source: Path, target: Path) -> None:
@@ -166,6 +168,7 @@ def save_transformers_config(model: nn.Module, directory: Path, conversion: Mapp
     ``conversion``, and ``panther_lite_config.json``."""
     with _recorded_in_configs(model, conversion):
         model.config.save_pretrained(str(directory))
+    guard_saved_configs(directory)
     write_pretrained_record(directory, _TRANSFORMERS, conversion)
 
 
@@ -277,14 +280,10 @@ def _load_transformers(model_class, directory: Path, conversion: Mapping, kwargs
             f"pass {saved_as[0]} (or the AutoModel class that builds it)"
         )
 
-    def __init__(self, config, *args, **init_kwargs):
-        base.__init__(self, config, *args, **init_kwargs)
-        apply_conversion_config(self, conversion)
-
-    converting = type(base.__name__, (base,), dict(__init__=__init__, __module__=base.__module__))
-    model, info = converting.from_pretrained(str(directory), output_loading_info=True, **kwargs)
-    model.__class__ = base
-    model.config.__dict__.pop(HF_CONFIG_KEY, None)
+    config = base.config_class.from_pretrained(str(directory))
+    config.__dict__.pop(HF_CONFIG_KEY, None)
+    config.quantization_config = transformers_plugin().PantherLiteConfig(conversion=conversion).to_dict()
+    model, info = base.from_pretrained(str(directory), config=config, output_loading_info=True, **kwargs)
     _check_sketched_keys_loaded(conversion, info["missing_keys"], directory)
     return model
 
@@ -345,7 +344,7 @@ def _load_sentence_transformer(model_class, directory: Path, conversion: Mapping
         model = model_class(str(directory), **kwargs)
     for prefix, sub in _hf_submodels(model):
         relative = _relative_config(conversion, prefix)
-        if relative["layers"]:
+        if relative["layers"] and getattr(sub, "quantization_method", None) != "panther_lite":  # plugin built
             _load_sketched_layers(sub, relative, directory)
     return model
 
