@@ -29,9 +29,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from panther_lite.benchmark import device_name, new_figure, save_figure
-from panther_lite.conversion.saving.serialization import CONFIG_FORMAT, CONFIG_VERSION, apply_conversion_config
-from panther_lite.nn import SKLinear, select_config
+from panther_lite.benchmark import device_name, new_figure, ratio_layout, save_figure
+from panther_lite.conversion.saving.serialization import apply_conversion_config
+from panther_lite.nn import SKLinear
 
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)
 
@@ -44,14 +44,7 @@ def models(layers: int, dtype: torch.dtype, param_ratio: float):
     torch.manual_seed(0)
     dense = transformers.LlamaForCausalLM(config).to(dtype).eval()
     compressed = copy.deepcopy(dense)
-    entries = []
-    for name, module in compressed.model.layers.named_modules(prefix="model.layers"):
-        if isinstance(module, torch.nn.Linear):
-            num_terms, low_rank = select_config(module.in_features, module.out_features, param_ratio, num_terms=1,
-                                                bias=False)
-            entries.append(dict(name=name, kind="SKLinear", dense="Linear", shape=list(module.weight.shape),
-                                num_terms=num_terms, low_rank=low_rank, bias=False))
-    apply_conversion_config(compressed, dict(format=CONFIG_FORMAT, version=CONFIG_VERSION, layers=entries))
+    apply_conversion_config(compressed, ratio_layout(compressed.model.layers, param_ratio, prefix="model.layers"))
     return dense, compressed.eval()
 
 

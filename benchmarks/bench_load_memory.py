@@ -33,12 +33,11 @@ import pandas as pd
 import torch
 
 import panther_lite
-from panther_lite.benchmark import device_name, new_figure, save_figure
+from panther_lite.benchmark import device_name, new_figure, ratio_layout, save_figure
 from panther_lite.benchmark.checkpoints import write_random_checkpoint
 from panther_lite.conversion.saving.pretrained import save_transformers_config
-from panther_lite.conversion.saving.serialization import CONFIG_FORMAT, CONFIG_VERSION, apply_conversion_config
+from panther_lite.conversion.saving.serialization import apply_conversion_config
 from panther_lite.conversion.saving.shards import SHARD_INDEX_NAME, shard_name
-from panther_lite.nn import select_config
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "tinyllama": (2048, 5632, 22, 32, 4, 32000),
@@ -58,18 +57,6 @@ def llama_config(shape: str, layers: int):
         architectures=["LlamaForCausalLM"])  # fmt: skip
 
 
-def _conversion(model, param_ratio: float) -> dict:
-    """Every nn.Linear of the blocks at the size convert picks for ``param_ratio`` (num_terms 1)."""
-    layers = []
-    for name, module in model.model.layers.named_modules(prefix="model.layers"):
-        if isinstance(module, torch.nn.Linear):
-            num_terms, low_rank = select_config(module.in_features, module.out_features, param_ratio, num_terms=1,
-                                                bias=False)
-            layers.append(dict(name=name, kind="SKLinear", dense="Linear", shape=list(module.weight.shape),
-                               num_terms=num_terms, low_rank=low_rank, bias=False))
-    return dict(format=CONFIG_FORMAT, version=CONFIG_VERSION, layers=layers)
-
-
 def write_streamed_output(directory: Path, config, param_ratio: float, seed: int = 0) -> int:
     """A panther_lite output of ``config`` with random factors, one shard per block (what
     ``compress`` writes), built on the meta device part by part. Returns the bytes of the weights."""
@@ -79,7 +66,7 @@ def write_streamed_output(directory: Path, config, param_ratio: float, seed: int
     directory.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    conversion = _conversion(model, param_ratio)
+    conversion = ratio_layout(model.model.layers, param_ratio, prefix="model.layers")
     apply_conversion_config(model, conversion)
     state = model.state_dict()
     blocks = [[key for key in state if key.startswith(f"model.layers.{i}.")] for i in range(config.num_hidden_layers)]
