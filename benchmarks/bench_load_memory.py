@@ -44,6 +44,7 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "llama7b": (4096, 11008, 32, 32, 32, 32000),
 }
 LOADERS = ("panther_lite", "auto", "auto, disable_mmap")
+OUTPUTS = ("streamed", "in memory")
 GB = 1e9
 
 
@@ -153,6 +154,8 @@ def main(argv=None) -> None:
     parser.add_argument("--param-ratio", type=float, default=0.5)
     parser.add_argument("--dense", action="store_true", help="also load the dense original (written to --work-dir)")
     parser.add_argument("--loaders", nargs="+", choices=LOADERS, default=list(LOADERS))
+    parser.add_argument("--outputs", nargs="+", choices=OUTPUTS, default=list(OUTPUTS),
+                        help="the in-memory output is the streamed one loaded and saved whole")
     parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/out"))
     parser.add_argument("--work-dir", type=Path, default=Path("benchmarks/out/load_memory"))
     parser.add_argument("--load", type=Path, help=argparse.SUPPRESS)  # internal: one load in this process
@@ -166,11 +169,12 @@ def main(argv=None) -> None:
     shutil.rmtree(work, ignore_errors=True)
     streamed, in_memory = work / "streamed", work / "in_memory"
     write_streamed_output(streamed, config, args.param_ratio)
-    resave = (f"import panther_lite, transformers; panther_lite.save_pretrained(panther_lite.from_pretrained("
-              f"transformers.AutoModelForCausalLM, {str(streamed)!r}), {str(in_memory)!r})")
-    subprocess.run([sys.executable, "-c", resave], check=True, capture_output=True, env=_environment())
-    cases = [(name, directory, loader) for name, directory in (("streamed", streamed), ("in memory", in_memory))
-             for loader in args.loaders]
+    if "in memory" in args.outputs:
+        resave = (f"import panther_lite, transformers; panther_lite.save_pretrained(panther_lite.from_pretrained("
+                  f"transformers.AutoModelForCausalLM, {str(streamed)!r}), {str(in_memory)!r})")
+        subprocess.run([sys.executable, "-c", resave], check=True, capture_output=True, env=_environment())
+    outputs = [(name, directory) for name, directory in zip(OUTPUTS, (streamed, in_memory)) if name in args.outputs]
+    cases = [(name, directory, loader) for name, directory in outputs for loader in args.loaders]
     if args.dense:
         write_random_checkpoint(work / "dense", config, "a b c")
         cases.insert(0, ("dense original", work / "dense", "dense"))
