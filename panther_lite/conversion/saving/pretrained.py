@@ -136,12 +136,11 @@ def _check_layers_reloadable(model: nn.Module, conversion: Mapping) -> None:
 
 def _write_model_files(model: nn.Module, saved_with: str, directory: Path, conversion: Mapping) -> None:
     if saved_with == _STATE_DICT:
-        save_model = require("safetensors.torch", "save_pretrained").save_model
-
-        save_model(model, str(directory / WEIGHTS_NAME))
+        require("safetensors.torch", "save_pretrained").save_model(model, str(directory / WEIGHTS_NAME))
         return
+    save = model.save_pretrained if saved_with == _TRANSFORMERS else model.save
     with _recorded_in_configs(model, conversion):
-        model.save_pretrained(str(directory)) if saved_with == _TRANSFORMERS else model.save(str(directory))
+        save(str(directory))
     guard_saved_configs(directory)
 
 
