@@ -24,6 +24,7 @@ from .conversion import (
     save_pretrained,
     tune,
 )
+from .conversion.saving.hf_registration import install_transformers_plugin
 from .evaluation import Perplexity, perplexity
 from .nn import SKConv1d, SKConv2d, SKConv3d, SKExperts, SKLinear
 from .version import __version__
@@ -61,6 +62,9 @@ __all__ = [
 ]
 
 _LAZY_SUBMODULES = ("benchmark",)
+
+# AutoModel*.from_pretrained of a panther_lite output builds its sketched layers (transformers' plugin)
+install_transformers_plugin()
 
 
 def __getattr__(name: str):

@@ -26,6 +26,8 @@ re-exported here.
   plots and pyplot-free figures.
 * :mod:`~panther_lite.benchmark.bars` — performance bars: a sketched callable timed in
   alternation with its reference (:func:`compare`), rows, lines and a figure.
+* :mod:`~panther_lite.benchmark.layouts` — sketched layouts at a ``param_ratio`` without
+  fitting (:func:`ratio_layout`), for benchmarks with random factors.
 * :mod:`~panther_lite.benchmark.deploy` — a model's deployable forms (dense, converted,
   frozen, int8) in PyTorch and onnxruntime: :func:`deployable_forms`, :func:`deploy_rows`
   (size on disk, latency, quality), :func:`plot_deploy`, and the ONNX steps
@@ -50,6 +52,7 @@ from .deploy import (
     saved_size_bytes,
 )
 from .environment import device_name, ignore_size_warnings
+from .layouts import ratio_layout
 from .memory import count_parameters, parameter_bytes, saved_activation_bytes, training_memory_bytes
 from .plots import (
     new_figure, plot_heatmaps, plot_tradeoff, publish_sweep_results, replace_sweep_plots, save_figure, staged_path,
@@ -69,6 +72,7 @@ from .tasks import (
 from .timing import Spread, forward_backward_step, forward_step, paired_ratio, time_callable, time_interleaved
 
 __all__ = [
+    "ratio_layout",
     "DEPLOY_COLUMNS",
     "DEPLOY_FORMS",
     "deploy_rows",

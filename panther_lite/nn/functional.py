@@ -21,7 +21,10 @@ product (never a per-term ``L × batch × out`` temporary):
   or nothing requires grad), in eager mode: the stacked schedule for every row count,
   with the concatenated factors ``[S1 | U2]`` and ``scale·[U1; S2]`` cached per layer
   (:mod:`~panther_lite.nn.factor_cache`), so a call is two GEMM launches and little host
-  time (operands cast per call, e.g. under autocast, take the op's two schedules uncached);
+  time (operands cast per call, e.g. under autocast, take the op's two schedules uncached).
+  Layers whose factors take more than ``CACHE_MAX_BYTES`` are not cached and take the op's
+  two schedules: a cached copy of every layer would double a large model's memory at
+  inference, and at that size the GEMMs, not the host time, set the speed;
 * **composable torch ops** under a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``,
   ``jacfwd``, ``jacrev``, ``hessian``) or forward-mode AD (``torch.autograd.forward_ad``):
   custom-op autograd does not compose with them, so these see ordinary matmuls, whose
@@ -50,6 +53,8 @@ from .factor_cache import clear_factor_cache, stacked_factors
 __all__ = ["sketched_linear", "clear_factor_cache"]
 
 _STACKED_ROWS_PER_RANK = 4
+# the largest layer (bytes of its four factors) whose concatenated factors the no-grad route caches
+CACHE_MAX_BYTES = 4 * 2**20
 
 
 def _stacked(rows: int, rank: int) -> bool:
@@ -299,8 +304,9 @@ def needs_grad(x: Tensor, S1: Tensor, S2: Tensor, bias: Optional[Tensor]) -> boo
 def _no_grad_product(
     x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float, cacheable: bool
 ) -> Tensor:
-    """Plain GEMMs, no autograd: two with the cached stacked factors, else either schedule."""
-    if cacheable:
+    """Plain GEMMs, no autograd: two with the cached stacked factors (layers up to
+    ``CACHE_MAX_BYTES``), else either schedule."""
+    if cacheable and 2 * (S1.numel() + S2.numel()) * S1.element_size() <= CACHE_MAX_BYTES:
         left, right = stacked_factors(S1, U1, U2, S2, scale)
         hidden = torch.mm(x, left)
         return torch.mm(hidden, right) if bias is None else torch.addmm(bias, hidden, right)

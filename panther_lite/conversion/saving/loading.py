@@ -3,16 +3,17 @@
 ``from_pretrained(model_class_or_factory, directory, **kwargs)`` builds the dense
 architecture, swaps in sketched layers of the recorded sizes and loads the weights:
 
-- transformers classes: a one-off subclass applies the conversion at the end of
-  ``__init__``, so transformers' own loader (meta-device init, dtype, ``device_map``, tied
+- transformers classes: through transformers' quantizer plugin (:mod:`.hf_quantizer`; outputs
+  of earlier versions, which recorded the conversion under ``config.json``'s ``"panther_lite"``,
+  get it passed in), so transformers' own loader (meta-device init, dtype, ``device_map``, tied
   weights) fills the sketched layers directly; the returned model is of the class asked for;
 - sentence-transformers classes: sentence-transformers builds its modules itself, so the
   layers that were converted are built dense (initialised once), swapped, then loaded;
 - any other factory: it runs with parameters on the meta device (no initialisation cost),
   then the state_dict is assigned.
 
-A plain ``AutoModel.from_pretrained`` of such a directory loads the dense architecture (the
-sketched layers' tensors unexpected, their dense weights missing): use :func:`from_pretrained`.
+After ``import panther_lite`` a plain ``AutoModel*.from_pretrained`` of such a directory
+builds the sketched layers too (the same plugin).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from .pretrained_format import (
     FORMAT, HF_CONFIG_KEY, PRETRAINED_CONFIG_NAME, SENTENCE_TRANSFORMERS, STATE_DICT, TRANSFORMERS, VERSION, PathLike,
     hf_submodels, pretrained_model_class, relative_config, sentence_transformer_classes,
 )
+from .hf_registration import transformers_plugin
 from .serialization import apply_conversion_config
 from .weight_files import WEIGHTS_NAME, check_weight_files, load_weights_file, read_json, read_weights
 
@@ -92,15 +94,11 @@ def _load_transformers(model_class, directory: Path, conversion: Mapping, kwargs
             f"pass {saved_as[0]} (or the AutoModel class that builds it)"
         )
 
-    def __init__(self, config, *args, **init_kwargs):
-        base.__init__(self, config, *args, **init_kwargs)
-        apply_conversion_config(self, conversion)
-
-    converting = type(base.__name__, (base,), dict(__init__=__init__, __module__=base.__module__))
+    config = base.config_class.from_pretrained(str(directory))
+    config.__dict__.pop(HF_CONFIG_KEY, None)
+    config.quantization_config = transformers_plugin().PantherLiteConfig(conversion=conversion).to_dict()
     check_weight_files(directory)
-    model, info = converting.from_pretrained(str(directory), output_loading_info=True, **kwargs)
-    model.__class__ = base
-    model.config.__dict__.pop(HF_CONFIG_KEY, None)
+    model, info = base.from_pretrained(str(directory), config=config, output_loading_info=True, **kwargs)
     _check_sketched_keys_loaded(conversion, info["missing_keys"], directory)
     return model
 
@@ -161,7 +159,7 @@ def _load_sentence_transformer(model_class, directory: Path, conversion: Mapping
         model = model_class(str(directory), **kwargs)
     for prefix, sub in hf_submodels(model):
         relative = relative_config(conversion, prefix)
-        if relative["layers"]:
+        if relative["layers"] and getattr(sub, "quantization_method", None) != "panther_lite":  # plugin built
             _load_sketched_layers(sub, relative, directory)
     return model
 

@@ -5,8 +5,10 @@ its conversion config.
 ``save_pretrained(model, directory)`` writes what the model's own library writes (Hugging Face
 ``save_pretrained`` with safetensors, sentence-transformers' ``save``, or a safetensors
 ``state_dict`` for any other module) and ``panther_lite_config.json`` with the conversion
-config; for Hugging Face models also in each ``config.json`` under ``"panther_lite"``
-(:mod:`~panther_lite.conversion.saving.pretrained_format`).
+config; for Hugging Face models also in each ``config.json`` as its ``quantization_config``
+(``"quant_method": "panther_lite"``, :mod:`.hf_quantizer`), so that after ``import panther_lite``
+a plain ``AutoModel*.from_pretrained`` builds the sketched layers too, and with a guard that makes
+transformers alone refuse it (:mod:`.hf_guard`).
 """
 from __future__ import annotations
 
@@ -23,9 +25,11 @@ import torch.nn as nn
 from ...extras import require
 from ..deploy.quantized import check_storable, warn_if_quantized_beside
 from .pretrained_format import (
-    FORMAT, HF_CONFIG_KEY, PRETRAINED_CONFIG_NAME, SENTENCE_TRANSFORMERS, STATE_DICT, TRANSFORMERS, VERSION, PathLike,
+    FORMAT, PRETRAINED_CONFIG_NAME, QUANTIZATION_KEY, SENTENCE_TRANSFORMERS, STATE_DICT, TRANSFORMERS, VERSION, PathLike,
     hf_submodels, pretrained_model_class, relative_config, sentence_transformer_classes,
 )
+from .hf_guard import guard_saved_configs
+from .hf_registration import transformers_plugin
 from .serialization import conversion_config, own_names_for_experts
 from .weight_files import WEIGHTS_NAME, writing
 
@@ -45,20 +49,21 @@ def _saved_with(model: nn.Module) -> str:
 
 @contextlib.contextmanager
 def _recorded_in_configs(model: nn.Module, conversion: Mapping) -> Iterator[None]:
-    """Set ``config.panther_lite`` on each transformers model inside ``model`` for as long as it
-    is being saved, then put the configs back as they were."""
+    """Set ``config.quantization_config`` (panther_lite's, :mod:`.hf_quantizer`) on each
+    transformers model inside ``model`` for as long as it is being saved, then put the configs
+    back as they were."""
     configs = [(sub.config, relative_config(conversion, prefix)) for prefix, sub in hf_submodels(model)]
-    previous = [config.__dict__.get(HF_CONFIG_KEY) for config, _ in configs]
+    previous = [config.__dict__.get(QUANTIZATION_KEY) for config, _ in configs]
     try:
         for config, relative in configs:
-            setattr(config, HF_CONFIG_KEY, relative)
+            config.quantization_config = transformers_plugin().PantherLiteConfig(conversion=relative)
         yield
     finally:
         for (config, _), old in zip(configs, previous):
             if old is None:
-                config.__dict__.pop(HF_CONFIG_KEY, None)
+                config.__dict__.pop(QUANTIZATION_KEY, None)
             else:
-                setattr(config, HF_CONFIG_KEY, old)
+                config.quantization_config = old
 
 
 def _check_layers_reloadable(model: nn.Module, conversion: Mapping) -> None:
@@ -84,6 +89,7 @@ def _write_model_files(model: nn.Module, saved_with: str, directory: Path, conve
             model.save_pretrained(str(directory), **own_names_for_experts(model))
         else:
             model.save(str(directory))
+    guard_saved_configs(directory)
 
 
 def _move_into(source: Path, target: Path) -> None:
@@ -109,6 +115,7 @@ def save_transformers_config(model: nn.Module, directory: Path, conversion: Mapp
     ``conversion``, and ``panther_lite_config.json``."""
     with _recorded_in_configs(model, conversion):
         model.config.save_pretrained(str(directory))
+    guard_saved_configs(directory)
     write_pretrained_record(directory, TRANSFORMERS, conversion)
 
 

@@ -11,14 +11,16 @@ from typing import List, Mapping, Tuple, Union
 import torch.nn as nn
 
 __all__ = [
-    "PRETRAINED_CONFIG_NAME", "FORMAT", "VERSION", "HF_CONFIG_KEY", "TRANSFORMERS", "SENTENCE_TRANSFORMERS", "STATE_DICT",
+    "PRETRAINED_CONFIG_NAME", "FORMAT", "VERSION", "HF_CONFIG_KEY", "QUANTIZATION_KEY", "TRANSFORMERS", "SENTENCE_TRANSFORMERS", "STATE_DICT",
     "PathLike", "pretrained_model_class", "sentence_transformer_classes", "hf_submodels", "relative_config",
 ]
 
 PRETRAINED_CONFIG_NAME = "panther_lite_config.json"
 FORMAT, VERSION = "panther_lite.pretrained", 1
-# the key under which each saved Hugging Face config.json records its own conversion
+# where config.json recorded its conversion before the quantizer plugin (read, never written)
 HF_CONFIG_KEY = "panther_lite"
+# where config.json records it now: transformers' quantizer extension point (:mod:`.hf_quantizer`)
+QUANTIZATION_KEY = "quantization_config"
 
 TRANSFORMERS, SENTENCE_TRANSFORMERS, STATE_DICT = "transformers", "sentence-transformers", "state_dict"
 PathLike = Union[str, "os.PathLike[str]"]

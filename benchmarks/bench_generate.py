@@ -1,0 +1,149 @@
+"""Generation speed of a compressed model against its dense original, in the same run.
+
+A TinyLlama-shaped LLaMA (hidden 2048, FFN 5632, 32 heads / 4 kv heads, vocab 32000; ``--layers``
+blocks, 8 by default to fit a shared machine) in ``--dtype``; the compressed copy has every linear
+layer of the blocks sketched at ``param_ratio`` (the size ``convert`` picks, ``num_terms=1``) with
+**random factors**: speed does not depend on the values, so nothing is fitted. Measured, dense
+and compressed alternating, after one warm-up of each:
+
+- ``decode``: seconds per generated token at batch 1, greedy ``model.generate`` of ``--new-tokens``
+  tokens after a 32-token prompt, minus the same with 1 new token (so the prefill drops out);
+- ``prefill``: one forward of a ``--prompt``-token prompt (batch 1, the cache built as ``generate``
+  builds it).
+
+Medians of ``--repeats`` runs with their min and max. Targets: decode speed-up >= 0.8 x the
+parameter-bytes ratio (dense bytes / compressed bytes, U buffers included), prefill speed-up >=
+0.8 x the FLOP ratio (matmul FLOPs per token: linear layers and lm_head; attention scores left out).
+
+    python benchmarks/bench_generate.py --threads 1 --output-dir benchmarks/results/cpu
+    python benchmarks/bench_generate.py --layers 1 --prompt 32 --new-tokens 4 --repeats 1   # seconds
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from panther_lite.benchmark import device_name, new_figure, ratio_layout, save_figure
+from panther_lite.conversion.saving.serialization import apply_conversion_config
+from panther_lite.nn import SKLinear
+
+SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)
+
+
+def models(layers: int, dtype: torch.dtype, param_ratio: float):
+    """(dense, compressed) TinyLlama-shaped models in eval mode."""
+    import transformers
+
+    config = transformers.LlamaConfig(**SHAPE, num_hidden_layers=layers, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    dense = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    compressed = copy.deepcopy(dense)
+    apply_conversion_config(compressed, ratio_layout(compressed.model.layers, param_ratio, prefix="model.layers"))
+    return dense, compressed.eval()
+
+
+def stored_bytes(model) -> int:
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def matmul_flops_per_token(model) -> int:
+    """2 x the multiply-adds of the linear layers (an SKLinear: its stored factors) and lm_head."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            total += module.weight.numel()
+        elif isinstance(module, SKLinear):
+            total += module.S1.numel() + module.U1.numel() + module.U2.numel() + module.S2.numel()
+    return 2 * total
+
+
+def _seconds(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def _generate(model, prompt: torch.Tensor, new_tokens: int) -> None:
+    model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                   pad_token_id=0)
+
+
+def measure(model, args) -> dict:
+    """One run of each measure: decode seconds per token and prefill seconds."""
+    short = torch.randint(0, SHAPE["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0))
+    long = torch.randint(0, SHAPE["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = _seconds(lambda: _generate(model, short, args.new_tokens))
+        first = _seconds(lambda: _generate(model, short, 1))
+        prefill = _seconds(lambda: model(input_ids=long, use_cache=True))
+    return dict(decode=(full - first) / (args.new_tokens - 1), prefill=prefill)
+
+
+def _summary(runs: list, name: str, measure_name: str) -> dict:
+    values = [run[measure_name] for run in runs]
+    return dict(model=name, measure=measure_name, median_s=statistics.median(values), min_s=min(values),
+                max_s=max(values), runs=len(values))
+
+
+def _plot(df: pd.DataFrame, ratios: dict, path: Path, title: str) -> None:
+    fig = new_figure(figsize=(9, 4))
+    axes = fig.subplots(1, 2)
+    for ax, measure_name in zip(axes, ("decode", "prefill")):
+        rows = df[df["measure"] == measure_name]
+        errors = [rows["median_s"] - rows["min_s"], rows["max_s"] - rows["median_s"]]
+        ax.bar(rows["model"], rows["median_s"], yerr=errors, capsize=4, color=["tab:gray", "tab:blue"])
+        speedup = rows["median_s"].iloc[0] / rows["median_s"].iloc[1]
+        unit = "s / token" if measure_name == "decode" else "s / prompt"
+        ax.set(ylabel=unit, title=f"{measure_name}: {speedup:.2f}x (target {0.8 * ratios[measure_name]:.2f}x)")
+    fig.suptitle(title, fontsize=9)
+    save_figure(fig, path)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--param-ratio", type=float, default=0.5)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--prompt", type=int, default=512, help="prefill prompt length")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/out"))
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dense, compressed = models(args.layers, getattr(torch, args.dtype), args.param_ratio)
+    pair = {"dense": dense, "compressed": compressed}
+    runs = {name: [] for name in pair}
+    for repeat in range(args.repeats + 1):  # the first round warms up
+        for name, model in pair.items():
+            result = measure(model, args)
+            if repeat:
+                runs[name].append(result)
+        print(f"round {repeat}: " + ", ".join(f"{n} {r[-1] if r else 'warm-up'}" for n, r in runs.items()), flush=True)
+    ratios = dict(decode=stored_bytes(dense) / stored_bytes(compressed),
+                  prefill=matmul_flops_per_token(dense) / matmul_flops_per_token(compressed))
+    df = pd.DataFrame([_summary(runs[name], name, m) for m in ("decode", "prefill") for name in pair])
+    for measure_name, ratio in ratios.items():
+        rows = df["measure"] == measure_name
+        speedup = df[rows & (df["model"] == "dense")]["median_s"].iloc[0] / df[rows & (df["model"] == "compressed")]["median_s"].iloc[0]
+        df.loc[rows, "speedup"], df.loc[rows, "ratio"], df.loc[rows, "target"] = speedup, ratio, 0.8 * ratio
+    df["layers"], df["dtype"], df["prompt"], df["new_tokens"] = args.layers, args.dtype, args.prompt, args.new_tokens
+    df["machine"] = device_name("cpu")
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    df.to_csv(args.output_dir / "generate.csv", index=False)
+    print(df.to_string(), flush=True)
+    title = (f"TinyLlama shape, {args.layers} layers, {args.dtype}, param_ratio {args.param_ratio}: "
+             f"{df['machine'][0]}")
+    _plot(df, ratios, args.output_dir / "generate.png", title)
+
+
+if __name__ == "__main__":
+    main()
