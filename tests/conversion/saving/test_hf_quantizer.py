@@ -25,7 +25,7 @@ from panther_lite.conversion.saving.hf_quantizer import PantherLiteConfig, Panth
 from panther_lite.nn import SKExperts, SKLinear  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*gradient_checkpointing.*:FutureWarning")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 VOCAB = 64
 SKETCHED = (SKLinear, SKExperts)
 
