@@ -209,9 +209,19 @@ def perplexity(
         head, a tokenizer or token ids not of the model's vocabulary, NaN or infinite logits.
 
     Examples:
-        >>> import panther_lite, pathlib  # doctest: +SKIP
-        >>> panther_lite.perplexity(model, pathlib.Path("wiki.test.txt"), tokenizer=tokenizer, seq_len=2048)
-        >>> panther_lite.perplexity("compressed/", pathlib.Path("wiki.test.txt"))   # streamed from disk
+        >>> import torch, transformers, panther_lite
+        >>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+        >>> model = transformers.LlamaForCausalLM(config).eval()
+        >>> tokens = torch.randint(64, (1000,), generator=torch.Generator().manual_seed(0))
+        >>> ppl = panther_lite.perplexity(model, tokens, seq_len=64, progress=False)
+        >>> ppl.windows, ppl.tokens                 # 15 windows of 64, 63 predictions each
+        (15, 945)
+        >>> 40 < ppl < 90                           # random weights on random tokens: about the vocabulary
+        True
+
+        A directory is streamed (``panther_lite.perplexity("OUT_DIR", pathlib.Path("test.txt"))``),
+        text needs the tokenizer (``tokenizer=``, a directory's own by default).
     """
     if batch_size is not None:
         batch_size = check_positive_int("batch_size", batch_size)
