@@ -4,7 +4,7 @@ the input a layer's call receives."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, List, Mapping, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.nn as nn

@@ -9,7 +9,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
 
-import torch
 import torch.nn as nn
 from torch import Tensor
 

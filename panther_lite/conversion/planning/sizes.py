@@ -15,7 +15,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ...nn import select_config, sketch_size
 from ...nn.rank_selection import resolve_rank_multiple
-from ..config import ConvertConfig, RankSpec, SizeRequest
+from ..config import ConvertConfig
+from ..size_request import RankSpec, SizeRequest
 from ..records import KEPT_DENSE, LayerRecord, check_finite_weights
 
 RankMultiple = Callable[[LayerRecord], int]
