@@ -1,0 +1,35 @@
+"""One rank of a multi-process conversion for the tests (launched by ``launch.py``): builds the
+tiny LLaMA and batches of ``scenario.py``, converts under an initialised gloo group, and rank 0
+saves the converted state dict and report to ``OUT``."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scenario import batches, tiny_llama  # noqa: E402
+
+
+def main() -> None:
+    options, out = json.loads(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=float(os.environ.get("TEST_COLLECTIVE_TIMEOUT", "120")))
+    dist.init_process_group("gloo", timeout=timeout)
+    rank = dist.get_rank()
+    if options.pop("mode", "convert") == "convert":
+        import panther_lite
+
+        model = tiny_llama(options.pop("model", "llama"))
+        report = panther_lite.convert(model, calibration_data=batches(options.pop("batches", 4)), progress=False, **options)
+        if rank == 0:
+            torch.save({"state": model.state_dict(), "rows": report["calibration_rows"].fillna(-1).astype(int).tolist()}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
