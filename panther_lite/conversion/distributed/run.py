@@ -12,15 +12,19 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from ..calibration.batches import CalibrationData
-from .group import ProcessGroupRun, running_on
+from .group import ProcessGroupRun, active_run, running_on
 
-__all__ = ["distributed_conversion", "resolve_run", "ShardedBatches"]
+__all__ = ["distributed_conversion", "resolve_run", "ShardedBatches", "check_compress_across"]
 
 
 def resolve_run(process_group=None) -> Optional[ProcessGroupRun]:
-    """The conversion's process group, or None for one process (torch.distributed not
+    """The conversion's process group (``process_group``, else the one active for an enclosing
+    workflow, else the default group), or None for one process (torch.distributed not
     initialised, or a world of one)."""
     import torch.distributed as dist
+
+    if process_group is None and active_run() is not None:
+        return active_run()
 
     if not dist.is_available() or not dist.is_initialized():
         if process_group is not None:
@@ -93,3 +97,19 @@ def distributed_conversion(process_group, config, data: CalibrationData) -> Iter
         data = CalibrationData(ShardedBatches(data.source, run.rank, run.world))
     with running_on(run):
         yield data
+
+
+def check_compress_across(run: ProcessGroupRun, in_memory: bool, distill, resume: bool) -> None:
+    """``compress_checkpoint``'s options that cannot run across processes yet, refused naming them."""
+    if not in_memory:
+        raise NotImplementedError(
+            f"compress_checkpoint across {run.world} processes: the streamed (out-of-core) pipeline is not "
+            "distributed yet; pass in_memory=True (--in-memory: each process loads the model), or run in one process"
+        )
+    if distill is not None:
+        raise NotImplementedError(f"compress_checkpoint across {run.world} processes: distill is not distributed yet")
+    if resume:
+        raise NotImplementedError(
+            f"compress_checkpoint across {run.world} processes: resume=True is not supported with in_memory=True; "
+            "an in-memory run keeps no work to resume"
+        )

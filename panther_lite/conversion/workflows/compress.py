@@ -22,6 +22,8 @@ from ...extras import require
 from ...version import __version__
 from ..calibration.batches import CalibrationData
 from ..config import ConvertConfig
+from ..distributed.group import running_on
+from ..distributed.run import check_compress_across, resolve_run
 from ..fitting.block_refinement import REFINEMENT_COLUMNS
 from ..pipelines.blocks import without_kv_cache
 from ..pipelines.out_of_core import choose_out_of_core
@@ -153,6 +155,17 @@ def _convert_into(
     return report
 
 
+def _convert_elsewhere(run, model_dir, config: ConvertConfig, calibration_data, dtype) -> "pd.DataFrame":
+    """A rank other than 0 across processes: its share of the conversion (its statistics summed
+    into rank 0's), nothing written; it waits at a barrier until rank 0 has written the output."""
+    files = CheckpointFiles(Path(model_dir))
+    model = files.load_whole(dtype or files.default_dtype())
+    with running_on(run), without_kv_cache(model):
+        report = convert(model, config, calibration_data=calibration_data)
+    run.barrier("rank 0 writing the output")
+    return report
+
+
 def _check_dtype(dtype) -> Optional[torch.dtype]:
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be None (the checkpoint's) or a floating-point torch.dtype, got {dtype!r}")
@@ -162,7 +175,7 @@ def _check_dtype(dtype) -> Optional[torch.dtype]:
 def compress_checkpoint(
     model_dir, output_dir, *, calibration_data, config: Optional[ConvertConfig] = None, resume: bool = False,
     distill: Optional[Distiller] = None, dtype: Optional[torch.dtype] = None, overwrite: bool = False,
-    in_memory: bool = False, **options,
+    in_memory: bool = False, process_group=None, **options,
 ) -> "pd.DataFrame":
     """Convert the transformers checkpoint in ``model_dir`` (:func:`~panther_lite.convert`'s
     conversion) into ``output_dir`` without loading the model whole, so models larger than
@@ -198,6 +211,10 @@ def compress_checkpoint(
             floating-point ``torch.dtype``.
         overwrite: replace a non-empty ``output_dir``.
         in_memory: load the model whole and convert it in memory.
+        process_group: as for ``convert`` (None: the default group when ``torch.distributed`` is
+            initialised, e.g. under ``torchrun``): every process converts its share of the batches
+            (``in_memory=True`` only, so far) and rank 0 alone writes ``output_dir``, the others
+            waiting for it at a barrier.
         distill: None, or a callable ``(model, teacher, directory)`` run after the conversion and
             before the model is saved, e.g. one calling :func:`~panther_lite.distill`: the
             checkpoint is then loaded whole and a copy of it kept as ``teacher`` (the original),
@@ -225,6 +242,11 @@ def compress_checkpoint(
     if distill is not None and not callable(distill):
         raise TypeError(f"distill must be None or a callable (model, teacher, directory), got {type(distill).__name__}")
     config, data = conversion_options(config, options, calibration_data, caller="compress_checkpoint")
+    run = resolve_run(process_group)
+    if run is not None:
+        check_compress_across(run, in_memory, distill, resume)
+        if run.rank != 0:
+            return _convert_elsewhere(run, model_dir, config, calibration_data, dtype)
     for name, path in (("model_dir", model_dir), ("output_dir", output_dir)):
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(path).__name__}")
@@ -232,7 +254,7 @@ def compress_checkpoint(
     dtype = dtype or files.default_dtype()
     fingerprint = _fingerprint(files, config, data, {"dtype": str(dtype), "overwrite": overwrite, "in_memory": in_memory})
     inputs = {"MODEL_DIR": Path(model_dir)}
-    with staged_directory(Path(output_dir), overwrite, inputs, resume) as staging:
+    with running_on(run), staged_directory(Path(output_dir), overwrite, inputs, resume) as staging:
         state = RunState(staging.path, fingerprint)
         try:
             report = _convert_into(files, dtype, config, data, state, staging.path, in_memory, distill)
@@ -241,4 +263,6 @@ def compress_checkpoint(
             state.close()
             raise
         state.remove()
+    if run is not None:
+        run.barrier("rank 0 writing the output")
     return report

@@ -28,6 +28,12 @@ def main() -> None:
         report = panther_lite.convert(model, calibration_data=batches(options.pop("batches", 4)), progress=False, **options)
         if rank == 0:
             torch.save({"state": model.state_dict(), "rows": report["calibration_rows"].fillna(-1).astype(int).tolist()}, out)
+    else:  # compress: options["source"] a checkpoint directory, OUT the output directory
+        import panther_lite
+
+        source = options.pop("source")
+        panther_lite.compress_checkpoint(source, out, calibration_data=batches(options.pop("batches", 4)),
+                                         progress=False, **options)
     dist.destroy_process_group()
 
 
