@@ -30,7 +30,7 @@ from .arguments import DTYPES, positive_float, positive_int
 from .config_options import Option, add_config_options, config_overrides
 from .checkpoint import CommandError, calibration_batches, check_model_dir, load_tokenizer, read_samples
 from .distilling import add_distill_options, check_distill_options, distiller
-from .distributed import across_processes, add_distributed_arguments
+from .torchrun import across_processes, add_distributed_arguments
 
 __all__ = ["add_compress_command", "run_compress", "REPORT_CSV", "REPORT_PNG", "REFINEMENT_CSV"]
 

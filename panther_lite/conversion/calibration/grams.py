@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ...nn.low_rank_fit import gram_dtype
 from ...nn.validation import all_finite, check_finite
-from ..distributed.statistics import agree_any, reduce_recorders
+from ..process_groups.statistics import agree_any, reduce_recorders
 from ..records import LayerRecord
 from ..progress import progress_bar
 from .batches import CalibrationData, ModelRun, evaluation_run, layer_input, run_batch, run_batch_or_callable

@@ -45,7 +45,7 @@ from ..calibration.batches import evaluation_run, run_batch_or_callable
 from ..calibration.grams import CallOrder, check_finite_inputs, group_layers
 from ..calibration.shrinkage import HeldBack, RowMoments, any_checked, layer_strength, note_calibration, shrink
 from ..calibration.tokens import LayerRows, layer_rows
-from ..distributed.statistics import agree_any, reduce_group_statistics, reduce_recorders
+from ..process_groups.statistics import agree_any, reduce_group_statistics, reduce_recorders
 from ..records import LayerRecord
 from ..progress import progress_bar
 from ..surgery import swap_modules, undo_swaps

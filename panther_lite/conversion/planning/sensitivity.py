@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..calibration.batches import ModelRun, evaluation_run
 from ..calibration.tokens import current_token_mask, zero_padding
-from ..distributed.statistics import measured_on_first
+from ..process_groups.statistics import measured_on_first
 from ..records import LayerRecord
 
 NOISE = 0.05

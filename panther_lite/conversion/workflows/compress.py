@@ -22,8 +22,8 @@ from ...extras import require
 from ...version import __version__
 from ..calibration.batches import CalibrationData
 from ..config import ConvertConfig
-from ..distributed.group import running_on
-from ..distributed.run import check_compress_across, resolve_run
+from ..process_groups.group import running_on
+from ..process_groups.run import check_compress_across, resolve_run
 from ..fitting.block_refinement import REFINEMENT_COLUMNS
 from ..pipelines.blocks import without_kv_cache
 from ..pipelines.out_of_core import choose_out_of_core

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from ..calibration.batches import ModelRun, run_batch
 from ..config import ConvertConfig
-from ..distributed.run import distributed_conversion
+from ..process_groups.run import distributed_conversion
 from ..kinds import converted_kind, sketched_types
 from ..pipelines.base import Conversion, Pipeline
 from ..pipelines.choice import choose_pipeline
