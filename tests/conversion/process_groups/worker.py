@@ -15,12 +15,29 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scenario import batches, tiny_llama  # noqa: E402
 
 
+def _die_at_second_exchange() -> None:
+    """This rank exits abruptly (no cleanup) when it reaches its second exchange of statistics."""
+    from panther_lite.conversion.process_groups.group import ProcessGroupRun
+
+    original, calls = ProcessGroupRun.sum_in_rank_order, []
+
+    def dying(self, tensors, what):
+        calls.append(what)
+        if len(calls) == 2:
+            os._exit(3)
+        return original(self, tensors, what)
+
+    ProcessGroupRun.sum_in_rank_order = dying
+
+
 def main() -> None:
     options, out = json.loads(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=float(os.environ.get("TEST_COLLECTIVE_TIMEOUT", "120")))
     dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank()
+    if os.environ.get("TEST_DIE_RANK") == str(rank):
+        _die_at_second_exchange()
     if options.pop("mode", "convert") == "convert":
         import panther_lite
 
