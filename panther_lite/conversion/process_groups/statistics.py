@@ -69,7 +69,8 @@ def _reduce(owners: List, grams: List[str], what: str) -> None:
 
 def reduce_recorders(records: Iterable, recorders: Dict[str, object]) -> None:
     """Sum each distinct Gram recorder of ``recorders`` over the ranks, in ``records``' order
-    (the same on every rank). A kind's own recorder (MoE experts) is a NotImplementedError."""
+    (the same on every rank), mixture-of-experts recorders included; another kind's own recorder
+    is a NotImplementedError naming the layer."""
     if active_run() is None:
         return
     owners, seen = [], set()
@@ -77,14 +78,43 @@ def reduce_recorders(records: Iterable, recorders: Dict[str, object]) -> None:
         recorder = recorders.get(record.name)
         if recorder is None or id(recorder) in seen:
             continue
+        if all(hasattr(recorder, name) for name in ("grams", "moments", "expert_rows")):
+            seen.add(id(recorder))
+            _reduce_experts(recorder)
+            continue
         if not all(hasattr(recorder, name) for name in ("gram", "moments", "held", "unaligned")):
             raise NotImplementedError(
                 f"convert across processes: layer {record.name!r} records {type(recorder).__name__} statistics "
-                "(mixture-of-experts layers), which are not summed across processes yet; run it in one process"
+                "that panther_lite does not know how to sum across processes; run it in one process"
             )
         seen.add(id(recorder))
         owners.append(recorder)
     _reduce(owners, ["gram"], "calibration Grams")
+
+
+def _reduce_experts(recorder) -> None:
+    """A mixture-of-experts recorder's per-expert Gram stacks, row moments and routed row counts
+    summed over the ranks (each expert's rows, wherever they were routed)."""
+    run = active_run()
+    projections = list(recorder.grams)
+    device = recorder.grams[projections[0]].device
+    tensors, ints = [recorder.grams[p] for p in projections], list(recorder.expert_rows)
+    ints += [recorder.rows, int(bool(recorder.unaligned))]
+    for projection in projections:
+        for moments in recorder.moments[projection]:
+            off, counts = _moment_parts(moments, device)
+            tensors, ints = tensors + off, ints + counts
+    tensors = run.sum_in_rank_order(tensors, f"expert Grams of {recorder.record.name}")
+    ints = run.sum_ints(ints, f"expert row counts of {recorder.record.name}")
+    experts = len(recorder.expert_rows)
+    for projection, summed in zip(projections, tensors):
+        recorder.grams[projection].copy_(summed)
+    recorder.expert_rows, recorder.rows, recorder.unaligned = ints[:experts], ints[experts], bool(ints[experts + 1])
+    at_t, at_i = len(projections), experts + 2
+    for projection in projections:
+        for moments in recorder.moments[projection]:
+            _set_moments(moments, tensors[at_t], ints[at_i:at_i + 2])
+            at_t, at_i = at_t + 1, at_i + 2
 
 
 def reduce_group_statistics(stats) -> None:

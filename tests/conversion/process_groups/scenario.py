@@ -9,6 +9,14 @@ def tiny_llama(kind: str = "llama"):
     import transformers
 
     torch.manual_seed(0)
+    if kind == "mixtral":  # 4 experts, 2 per token: per-expert statistics
+        config = transformers.MixtralConfig(
+            vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        )
+        model = transformers.MixtralForCausalLM(config)
+        model.set_experts_implementation("eager")
+        return model.eval()
     config = transformers.LlamaConfig(
         vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64,

@@ -56,3 +56,8 @@ def test_two_processes_give_the_one_process_model(options, tmp_path):
 def test_the_whole_model_pipeline_and_global_gains_across_processes(tmp_path):
     options = dict(param_ratio=0.5, allocation="global", blocks=False)
     _assert_same(_one_process(options), _across(2, options, tmp_path))
+
+
+def test_a_mixture_of_experts_model_across_processes(tmp_path):
+    options = dict(model="mixtral", param_ratio=0.5)
+    _assert_same(_one_process(options), _across(2, options, tmp_path))
