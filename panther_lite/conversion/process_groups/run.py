@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 from ..calibration.batches import CalibrationData
 from .group import ProcessGroupRun, active_run, running_on
 
-__all__ = ["distributed_conversion", "resolve_run", "ShardedBatches", "check_compress_across"]
+__all__ = ["distributed_conversion", "resolve_run", "ShardedBatches", "check_compress_across", "refuse_across_processes"]
 
 
 def resolve_run(process_group=None) -> Optional[ProcessGroupRun]:
@@ -113,3 +113,10 @@ def check_compress_across(run: ProcessGroupRun, in_memory: bool, distill, resume
             f"compress_checkpoint across {run.world} processes: resume=True is not supported with in_memory=True; "
             "an in-memory run keeps no work to resume"
         )
+
+
+def refuse_across_processes(what: str, why: str) -> None:
+    """NotImplementedError naming ``what`` when a process group of more than one process is active."""
+    run = resolve_run(None)
+    if run is not None:
+        raise NotImplementedError(f"{what} across {run.world} processes is not supported: {why}; run it in one process")

@@ -61,3 +61,15 @@ def test_the_whole_model_pipeline_and_global_gains_across_processes(tmp_path):
 def test_a_mixture_of_experts_model_across_processes(tmp_path):
     options = dict(model="mixtral", param_ratio=0.5)
     _assert_same(_one_process(options), _across(2, options, tmp_path))
+
+
+def test_options_not_distributed_yet_are_refused_naming_them(tmp_path):
+    out = tmp_path / "refusals.pt"
+    results = launch(2, dict(mode="refusals"), out)
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:]
+    found = torch.load(out)
+    assert found["refine"].startswith("NotImplementedError") and "refine" in found["refine"]
+    assert found["callable"].startswith("NotImplementedError") and "callable" in found["callable"]
+    assert found["odd batches"].startswith("ValueError") and "shrinkage='auto'" in found["odd batches"]
+    assert found["one batch"].startswith("ValueError") and "fewer than the processes" in found["one batch"]
+    assert found["tune"].startswith("NotImplementedError") and "tune" in found["tune"]

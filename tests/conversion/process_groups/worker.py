@@ -30,6 +30,28 @@ def _die_at_second_exchange() -> None:
     ProcessGroupRun.sum_in_rank_order = dying
 
 
+def _refusals() -> dict:
+    """Each option not distributed yet, tried: ``{case: "ErrorType: message"}`` (or "ran")."""
+    import panther_lite
+
+    cases = {
+        "refine": lambda: panther_lite.convert(tiny_llama(), calibration_data=batches(), param_ratio=0.5, refine=True),
+        "callable": lambda: panther_lite.convert(tiny_llama(), calibration_data=lambda m: m(batches(1)[0]["input_ids"]),
+                                                 param_ratio=0.5),
+        "odd batches": lambda: panther_lite.convert(tiny_llama(), calibration_data=batches(4, size=3), param_ratio=0.5),
+        "one batch": lambda: panther_lite.convert(tiny_llama(), calibration_data=batches(1), param_ratio=0.5),
+        "tune": lambda: panther_lite.tune(tiny_llama(), lambda m: 0.0, tolerance=0.1, calibration_data=batches()),
+    }
+    found = {}
+    for name, case in cases.items():
+        try:
+            case()
+            found[name] = "ran"
+        except Exception as error:  # noqa: BLE001 - the test reads each error
+            found[name] = f"{type(error).__name__}: {error}"
+    return found
+
+
 def main() -> None:
     options, out = json.loads(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
@@ -38,13 +60,19 @@ def main() -> None:
     rank = dist.get_rank()
     if os.environ.get("TEST_DIE_RANK") == str(rank):
         _die_at_second_exchange()
-    if options.pop("mode", "convert") == "convert":
+    mode = options.pop("mode", "convert")
+    if mode == "convert":
         import panther_lite
 
         model = tiny_llama(options.pop("model", "llama"))
         report = panther_lite.convert(model, calibration_data=batches(options.pop("batches", 4)), progress=False, **options)
         if rank == 0:
             torch.save({"state": model.state_dict(), "rows": report["calibration_rows"].fillna(-1).astype(int).tolist()}, out)
+    elif mode == "refusals":
+        if rank == 0:
+            torch.save(_refusals(), out)
+        else:
+            _refusals()
     else:  # compress: options["source"] a checkpoint directory, OUT the output directory
         import panther_lite
 
