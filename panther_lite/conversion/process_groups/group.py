@@ -84,6 +84,12 @@ class ProcessGroupRun:
         )
         return box[0]
 
+    def gather_objects(self, value, what: str) -> list:
+        """Every rank's ``value`` (picklable), in rank order, on every rank."""
+        found = [None] * self.world
+        self._collective(f"all-gather of {what}", lambda: self.dist.all_gather_object(found, value, group=self.group))
+        return found
+
     def barrier(self, what: str) -> None:
         self._collective(f"barrier ({what})", lambda: self.dist.barrier(group=self.group))
 

@@ -5,14 +5,14 @@ does nothing in one process."""
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, Iterable, List
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 from torch import Tensor
 
 from .group import active_run
 
-__all__ = ["reduce_recorders", "reduce_group_statistics", "agree_any", "gains_from_first", "measured_on_first"]
+__all__ = ["reduce_recorders", "reduce_group_statistics", "agree_any", "gains_from_first", "measured_on_first", "first_problem"]
 
 
 def _moment_parts(moments, device) -> tuple:
@@ -142,3 +142,16 @@ def measured_on_first(function: Callable) -> Callable:
         return gains_from_first(function(*args, **kwargs), function.__name__)
 
     return wrapper
+
+
+def first_problem(problem: Optional[str]) -> Optional[str]:
+    """The first rank's problem (a reason a pipeline cannot run, found on its own batches), so every
+    rank chooses the same pipeline; None when no rank found one."""
+    run = active_run()
+    if run is None:
+        return problem
+    found = [(rank, p) for rank, p in enumerate(run.gather_objects(problem, "pipeline checks")) if p is not None]
+    if not found:
+        return None
+    rank, first = found[0]
+    return first if rank == run.rank else f"{first} (on the batches of process {rank})"

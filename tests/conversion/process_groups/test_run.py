@@ -73,3 +73,8 @@ def test_options_not_distributed_yet_are_refused_naming_them(tmp_path):
     assert found["odd batches"].startswith("ValueError") and "shrinkage='auto'" in found["odd batches"]
     assert found["one batch"].startswith("ValueError") and "fewer than the processes" in found["one batch"]
     assert found["tune"].startswith("NotImplementedError") and "tune" in found["tune"]
+
+
+def test_four_processes_give_the_one_process_model(tmp_path):
+    options = dict(param_ratio=0.5)
+    _assert_same(_one_process(options), _across(4, options, tmp_path))
