@@ -29,9 +29,9 @@ def _one_process(options: dict):
     return model.state_dict(), report["calibration_rows"].fillna(-1).astype(int).tolist()
 
 
-def _across(world: int, options: dict, tmp_path: Path):
+def _across(world: int, options: dict, tmp_path: Path, extra_env=None):
     out = tmp_path / f"world{world}.pt"
-    results = launch(world, options, out)
+    results = launch(world, options, out, extra_env=extra_env)
     for rank, (code, err) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
     return torch.load(out)
@@ -78,3 +78,15 @@ def test_options_not_distributed_yet_are_refused_naming_them(tmp_path):
 def test_four_processes_give_the_one_process_model(tmp_path):
     options = dict(param_ratio=0.5)
     _assert_same(_one_process(options), _across(4, options, tmp_path))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_statistics_on_the_gpu_travel_through_gloo(tmp_path):
+    options = dict(param_ratio=0.5, calibration_device="cuda")
+    _assert_same(_one_process(options), _across(2, options, tmp_path))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL: one GPU per rank)")
+def test_nccl_with_one_gpu_per_rank(tmp_path):
+    options = dict(param_ratio=0.5, allocation="global", calibration_device="cuda")
+    _assert_same(_one_process(options), _across(2, options, tmp_path, extra_env={"TEST_BACKEND": "nccl"}))

@@ -56,7 +56,10 @@ def main() -> None:
     options, out = json.loads(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=float(os.environ.get("TEST_COLLECTIVE_TIMEOUT", "120")))
-    dist.init_process_group("gloo", timeout=timeout)
+    backend = os.environ.get("TEST_BACKEND", "gloo")
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, timeout=timeout)
     rank = dist.get_rank()
     if os.environ.get("TEST_DIE_RANK") == str(rank):
         _die_at_second_exchange()
