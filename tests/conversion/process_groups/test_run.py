@@ -58,8 +58,11 @@ def test_the_whole_model_pipeline_and_global_gains_across_processes(tmp_path):
     _assert_same(_one_process(options), _across(2, options, tmp_path))
 
 
-def test_a_mixture_of_experts_model_across_processes(tmp_path):
-    options = dict(model="mixtral", param_ratio=0.5)
+@pytest.mark.parametrize("options", [
+    dict(model="mixtral", param_ratio=0.5),
+    dict(model="mixtral", param_ratio=0.5, allocation="global", sequential=True),
+], ids=["uniform", "global-sequential"])
+def test_a_mixture_of_experts_model_across_processes(options, tmp_path):
     _assert_same(_one_process(options), _across(2, options, tmp_path))
 
 
