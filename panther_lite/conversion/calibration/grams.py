@@ -242,7 +242,8 @@ def collect_grams(
             groups = order.groups + [[record] for record in order.unreached]
     first: List = []
     recorders, broken = _record(model, groups, calibration_data, progress, device, first, held_back)
-    broken = [group for group, out in zip(groups, agree_any([g in broken for g in groups], "groups")) if out]
+    flags = agree_any([any(group is b for b in broken) for group in groups], "groups sharing an input")
+    broken = [group for group, flag in zip(groups, flags) if flag]  # across processes: broken on any rank
     if broken:  # rare: inputs identical on the first batch only; record those layers alone
         alone = [[record] for group in broken for record in group]
         recorders.update(_record(model, alone, calibration_data, False, device, [], held_back)[0])

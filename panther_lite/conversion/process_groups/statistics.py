@@ -1,5 +1,5 @@
 """Calibration statistics made global: every rank's sums (Grams, row moments, held-back halves,
-sequential fits' paired Grams) replaced by their sum over the ranks in rank order, so each rank
+sequential fits' paired Grams, mixture-of-experts per-expert statistics) replaced by their sum over the ranks in rank order, so each rank
 fits from the same statistics; per-rank flags agreed; rank 0's gains used by all. Each function
 does nothing in one process."""
 from __future__ import annotations
