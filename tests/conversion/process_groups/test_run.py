@@ -93,3 +93,8 @@ def test_statistics_on_the_gpu_travel_through_gloo(tmp_path):
 def test_nccl_with_one_gpu_per_rank(tmp_path):
     options = dict(param_ratio=0.5, allocation="global", calibration_device="cuda")
     _assert_same(_one_process(options), _across(2, options, tmp_path, extra_env={"TEST_BACKEND": "nccl"}))
+
+
+def test_an_explicit_process_group(tmp_path):
+    options = dict(param_ratio=0.5, allocation="global")
+    _assert_same(_one_process(options), _across(2, {**options, "explicit_group": True}, tmp_path))

@@ -68,6 +68,8 @@ def main() -> None:
         import panther_lite
 
         model = tiny_llama(options.pop("model", "llama"))
+        if options.pop("explicit_group", False):  # a group of its own, not the default one
+            options["process_group"] = dist.new_group(ranks=list(range(dist.get_world_size())))
         report = panther_lite.convert(model, calibration_data=batches(options.pop("batches", 4)), progress=False, **options)
         if rank == 0:
             torch.save({"state": model.state_dict(), "rows": report["calibration_rows"].fillna(-1).astype(int).tolist()}, out)
