@@ -31,6 +31,7 @@ from .config_options import Option, add_config_options, config_overrides
 from .checkpoint import CommandError, calibration_batches, check_model_dir, load_tokenizer, read_samples
 from .distilling import add_distill_options, check_distill_options, distiller
 from .evaluation import Evaluation, add_evaluation_options
+from .torchrun import across_processes, add_distributed_arguments
 
 __all__ = ["add_compress_command", "run_compress", "REPORT_CSV", "REPORT_PNG", "REFINEMENT_CSV"]
 
@@ -144,7 +145,8 @@ def add_compress_command(subparsers) -> None:
     add_distill_options(command)
     add_evaluation_options(command)
     _add_selection_options(command)
-    command.set_defaults(run=run_compress)
+    add_distributed_arguments(command)
+    command.set_defaults(run=across_processes(run_compress))
 
 
 def _selector(names: Optional[List[str]], regex: Optional[str]):

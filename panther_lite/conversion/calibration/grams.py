@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ...nn.low_rank_fit import gram_dtype
 from ...nn.validation import all_finite, check_finite
+from ..process_groups.statistics import agree_any, reduce_recorders
 from ..records import LayerRecord
 from ..progress import progress_bar
 from .batches import CalibrationData, ModelRun, evaluation_run, layer_input, run_batch, run_batch_or_callable
@@ -241,9 +242,12 @@ def collect_grams(
             groups = order.groups + [[record] for record in order.unreached]
     first: List = []
     recorders, broken = _record(model, groups, calibration_data, progress, device, first, held_back)
+    flags = agree_any([any(group is b for b in broken) for group in groups], "groups sharing an input")
+    broken = [group for group, flag in zip(groups, flags) if flag]  # across processes: broken on any rank
     if broken:  # rare: inputs identical on the first batch only; record those layers alone
         alone = [[record] for group in broken for record in group]
         recorders.update(_record(model, alone, calibration_data, False, device, [], held_back)[0])
+    reduce_recorders(records, recorders)  # across processes: every rank's sums added in rank order
     if callable(calibration_data):
         return Calibration(recorders, calibration_data)
     return Calibration(recorders, (lambda m: run_batch(m, first[0])) if first else None)

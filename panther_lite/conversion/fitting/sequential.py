@@ -45,6 +45,7 @@ from ..calibration.batches import evaluation_run, run_batch_or_callable
 from ..calibration.grams import CallOrder, check_finite_inputs, group_layers
 from ..calibration.shrinkage import HeldBack, RowMoments, any_checked, layer_strength, note_calibration, shrink
 from ..calibration.tokens import LayerRows, layer_rows
+from ..process_groups.statistics import agree_any, reduce_group_statistics, reduce_recorders
 from ..records import LayerRecord
 from ..progress import progress_bar
 from ..surgery import swap_modules, undo_swaps
@@ -268,6 +269,7 @@ def _fit_on_current_inputs(model: nn.Module, record: LayerRecord, fits: Dict[str
         for handle in handles:
             handle.remove()
         recorder.last_input = None
+    reduce_recorders([record], {record.name: recorder})
     return record.strategy.fit(record, recorder, "svd", run.seeds[record.name], run.fit, run.shrinkage)
 
 
@@ -280,11 +282,13 @@ def _fit_group(model: nn.Module, group: List[LayerRecord], fits: Dict[str, FitRe
     stats = _GroupStatistics(group, run.device, run.shrinkage == "auto")
     fitted = {**run.prefitted, **{name: fit.module for name, fit in fits.items()}}
     _record_group(model, stats, run.batches, fitted, run.calls, run.converted_batches)
+    stats.shared = agree_any([stats.shared], "sequential groups")[0]
     if not stats.shared and len(group) > 1:
         del stats
         for record in group:
             _fit_group(model, [record], fits, run)
         return
+    reduce_group_statistics(stats)  # across processes: every rank's sums added in rank order
     for record in group:
         fits[record.name] = _fit_member(record, stats, run.seeds[record.name], run.fit, run.shrinkage)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from ..calibration.batches import CalibrationData
+from ..process_groups.statistics import first_problem
 from .base import Conversion
 from .blocks import find_blocks
 from .by_blocks import ByBlocks
@@ -40,7 +41,7 @@ def choose_pipeline(job: Conversion) -> Union[ByBlocks, WholeModel]:
         problem = _data_problem(job.data)
         if problem is None:
             pipeline = ByBlocks(block_list, f"{ByBlocks.name}: {description}", config)
-            problem = pipeline.capture(job)
+            problem = first_problem(pipeline.capture(job))  # across processes: the same pipeline on every rank
             if problem is None:
                 return pipeline
             if config.blocks not in (None, "auto"):

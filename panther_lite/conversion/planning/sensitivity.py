@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ..calibration.batches import ModelRun, evaluation_run
 from ..calibration.tokens import current_token_mask, zero_padding
+from ..process_groups.statistics import measured_on_first
 from ..records import LayerRecord
 
 NOISE = 0.05
@@ -57,6 +58,7 @@ def _real_output(model: nn.Module, run: ModelRun) -> Optional[Tensor]:
     return None if output is None else zero_padding(output, masks[0])
 
 
+@measured_on_first
 def output_gains(model: nn.Module, records: List[LayerRecord], run: ModelRun) -> Dict[str, float]:
     """``{name: gain²}``: the squared relative change of the model's output per relative
     noise added to each layer's output, when ``run(model)`` (one calibration batch) runs it
@@ -88,6 +90,7 @@ def _hidden(output) -> Tensor:
     return output if isinstance(output, Tensor) else output[0]
 
 
+@measured_on_first
 def block_output_gains(model: nn.Module, blocks: List[nn.Module], run: ModelRun) -> List[float]:
     """Squared gain from each block's output to the model's output, to first order, from one
     forward and one backward of ``run(model)``: for a random direction ``u`` at the output

@@ -24,6 +24,8 @@ from ...nn.validation import check_bool
 from ...version import __version__
 from ..calibration.batches import CalibrationData
 from ..config import ConvertConfig
+from ..process_groups.group import running_on
+from ..process_groups.run import check_compress_across, resolve_run
 from ..fitting.block_refinement import REFINEMENT_COLUMNS
 from ..pipelines.blocks import without_kv_cache
 from ..pipelines.out_of_core import choose_out_of_core
@@ -161,6 +163,17 @@ def _convert_into(
     return report
 
 
+def _convert_elsewhere(run, model_dir, config: ConvertConfig, calibration_data, dtype, allow_missing: bool) -> "pd.DataFrame":
+    """A rank other than 0 across processes: its share of the conversion (its statistics summed
+    into rank 0's), nothing written; it waits at a barrier until rank 0 has written the output."""
+    files = CheckpointFiles(Path(model_dir))
+    model, _ = files.load_whole(dtype or files.default_dtype(), allow_missing)
+    with running_on(run), without_kv_cache(model):
+        report = convert(model, config, calibration_data=calibration_data)
+    run.barrier("rank 0 writing the output")
+    return report
+
+
 def _check_dtype(dtype) -> Optional[torch.dtype]:
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be None (the checkpoint's) or a floating-point torch.dtype, got {dtype!r}")
@@ -170,7 +183,7 @@ def _check_dtype(dtype) -> Optional[torch.dtype]:
 def compress_checkpoint(
     model_dir, output_dir, *, calibration_data, config: Optional[ConvertConfig] = None, resume: bool = False,
     distill: Optional[Distiller] = None, dtype: Optional[torch.dtype] = None, overwrite: bool = False,
-    in_memory: bool = False, allow_missing_weights: bool = False, **options,
+    in_memory: bool = False, allow_missing_weights: bool = False, process_group=None, **options,
 ) -> "pd.DataFrame":
     """Convert the transformers checkpoint in ``model_dir`` (:func:`~panther_lite.convert`'s
     conversion) into ``output_dir`` without loading the model whole, so models larger than
@@ -210,6 +223,10 @@ def compress_checkpoint(
             those initialised at random, named in the report's ``attrs["random_weights"]``; by
             default it is a ValueError naming them, as is one holding tensors the model does not
             place. Each flag is True or False (TypeError otherwise).
+        process_group: as for ``convert`` (None: the default group when ``torch.distributed`` is
+            initialised, e.g. under ``torchrun``): every process converts its share of the batches
+            (``in_memory=True`` only, so far) and rank 0 alone writes ``output_dir``, the others
+            waiting for it at a barrier.
         distill: None, or a callable ``(model, teacher, directory)`` run after the conversion and
             before the model is saved, e.g. one calling :func:`~panther_lite.distill`: the
             checkpoint is then loaded whole and a copy of it kept as ``teacher`` (the original),
@@ -238,6 +255,11 @@ def compress_checkpoint(
     if distill is not None and not callable(distill):
         raise TypeError(f"distill must be None or a callable (model, teacher, directory), got {type(distill).__name__}")
     config, data = conversion_options(config, options, calibration_data, caller="compress_checkpoint")
+    run = resolve_run(process_group)
+    if run is not None:
+        check_compress_across(run, in_memory, distill, resume)
+        if run.rank != 0:
+            return _convert_elsewhere(run, model_dir, config, calibration_data, dtype, allow_missing_weights)
     for name, path in (("model_dir", model_dir), ("output_dir", output_dir)):
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(path).__name__}")
@@ -248,7 +270,7 @@ def compress_checkpoint(
     _check_resumable_filter(config, output_dir, resume)
     state = None
     try:
-        with staged_directory(Path(output_dir), overwrite, {"MODEL_DIR": Path(model_dir)}, resume) as staging:
+        with running_on(run), staged_directory(Path(output_dir), overwrite, {"MODEL_DIR": Path(model_dir)}, resume) as staging:
             state = RunState(staging.path, fingerprint)
             try:
                 with writing(staging.path):
@@ -262,6 +284,8 @@ def compress_checkpoint(
         if state is not None:
             state.close()
     shutil.rmtree(Path(os.path.realpath(output_dir)) / RESUME_DIRECTORY, ignore_errors=True)
+    if run is not None:
+        run.barrier("rank 0 writing the output")
     return report
 
 

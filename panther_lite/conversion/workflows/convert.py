@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ..calibration.batches import ModelRun, run_batch
 from ..config import ConvertConfig
+from ..process_groups.run import distributed_conversion
 from ..kinds import converted_kind, sketched_types
 from ..pipelines.base import Conversion, Pipeline
 from ..pipelines.choice import choose_pipeline
@@ -37,6 +38,7 @@ def convert(
     *,
     calibration_data=None,
     example_inputs=None,
+    process_group=None,
     **overrides,
 ) -> "pd.DataFrame":
     """Replace linear and convolution layers of ``model`` with fitted sketched layers, in place.
@@ -56,6 +58,10 @@ def convert(
         example_inputs: a batch (same forms) the converted model is run on once; without
             it, the first calibration batch is. If that run fails, every swap is undone and
             :class:`~panther_lite.conversion.ConversionError` names the layer involved.
+        process_group: the ``torch.distributed`` group to convert across (None: the default group
+            when ``torch.distributed`` is initialised, e.g. under ``torchrun``): each process runs
+            its share of the batches (batch ``i`` on rank ``i % world``), the statistics are summed
+            across processes and every process fits the same model (``docs/large_models.rst``).
         **overrides: :class:`~panther_lite.ConvertConfig` fields (``param_ratio=0.5``,
             ``allocation="global"``, ...), replacing the ``config``'s
             (``dataclasses.replace(config, **overrides)``); the same options as keywords or
@@ -91,7 +97,8 @@ def convert(
         model that switches itself to training, has them put back).
     """
     report, _ = convert_undoable(
-        model, config, calibration_data=calibration_data, example_inputs=example_inputs, **overrides
+        model, config, calibration_data=calibration_data, example_inputs=example_inputs, process_group=process_group,
+        **overrides,
     )
     return report
 
@@ -99,15 +106,16 @@ def convert(
 @restores_buffers_on_error
 def convert_undoable(
     model: nn.Module, config: Optional[ConvertConfig] = None, *, calibration_data=None, example_inputs=None,
-    **overrides,
+    process_group=None, **overrides,
 ) -> Tuple["pd.DataFrame", SwapLog]:
     """:func:`convert` (same arguments), also returning the swap log that
     :func:`~panther_lite.conversion.surgery.undo_swaps` reverts (``tune`` tries budgets so)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     config, data = conversion_options(config, overrides, calibration_data)
-    job = conversion_job(model, config, data)
-    return run_pipeline(job, choose_pipeline(job), example_inputs)
+    with distributed_conversion(process_group, config, data) as data:  # this rank's batches
+        job = conversion_job(model, config, data)
+        return run_pipeline(job, choose_pipeline(job), example_inputs)
 
 
 def run_pipeline(job: Conversion, pipeline: Pipeline, example_inputs=None) -> Tuple["pd.DataFrame", SwapLog]:

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from ...nn.validation import check_positive_int, is_real
+from ..process_groups.run import refuse_across_processes
 from .convert import convert_undoable
 from ..calibration.batches import CalibrationData
 from ..config import ConvertConfig, make_config
@@ -255,6 +256,7 @@ def tune(
     low, high = _check_tune_arguments(model, evaluate, tolerance, ratio_range, resolution, max_evaluations)
     base = _trial_config(config, convert_kwargs, high)
     _check_data(calibration_data)
+    refuse_across_processes("tune", "each process would score its trials with its own evaluate")
 
     def run(budget: float):
         trial_config = dataclasses.replace(base, param_ratio=budget)

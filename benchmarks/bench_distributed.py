@@ -1,0 +1,126 @@
+"""Time and peak memory per rank of ``panther_lite.convert`` across 1, 2 and 4 processes
+(``torchrun``, gloo on the CPU) on the TinyLlama-1.1B shape (2048 × 22 layers, FFN 5632, 32 heads /
+4 kv heads, vocab 32000; random init), ``param_ratio=0.5`` uniform, calibrated on ``--batches``
+batches of 2 × 256 random tokens (batch ``i`` on rank ``i % N``).
+
+Each world size runs in fresh processes (``python -m torch.distributed.run --standalone``); each
+rank reports the wall time of its ``convert`` and its peak resident memory (the kernel's
+high-water mark, so the model's own copy included: every rank holds the whole model). One CSV
+(a row per world size and rank) and one PNG (time and peak memory against the processes) in
+``--output-dir``. The fits run on every rank, so what the processes share is the calibration:
+the speed-up is that of the forward passes, the exchange costs ``N × Σ fan_in² × 8`` bytes per
+block received per rank (``docs/large_models.rst``).
+
+    python benchmarks/bench_distributed.py --output-dir benchmarks/results/cpu
+    python benchmarks/bench_distributed.py --quick        # a tiny model, seconds
+    python benchmarks/bench_distributed.py --layers 4     # fewer TinyLlama blocks
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WORLDS = (1, 2, 4)
+
+
+def _model(quick: bool, layers: int):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if quick:
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2)
+    else:
+        config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                          num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4)
+    return transformers.LlamaForCausalLM(config).eval(), config.vocab_size
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank: convert, then append ``{world, rank, seconds, peak_gb}`` to ``--record``."""
+    import torch
+    import torch.distributed as dist
+
+    import panther_lite
+
+    torch.set_num_threads(args.threads)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    model, vocab = _model(args.quick, args.layers)
+    length = 16 if args.quick else 256
+    generator = torch.Generator().manual_seed(1)
+    batches = [dict(input_ids=torch.randint(0, vocab, (2, length), generator=generator)) for _ in range(args.batches)]
+    started = time.perf_counter()
+    panther_lite.convert(model, calibration_data=batches, param_ratio=0.5, progress=False)
+    seconds = time.perf_counter() - started
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    rank = dist.get_rank() if world > 1 else 0
+    with open(args.record, "a", encoding="utf-8") as record:
+        record.write(json.dumps(dict(world=world, rank=rank, seconds=seconds, peak_gb=peak_gb)) + "\n")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _run_world(world: int, args: argparse.Namespace, record: Path) -> None:
+    argv = [str(Path(__file__).resolve()), "--rank-worker", "--record", str(record), "--batches", str(args.batches),
+            "--layers", str(args.layers), "--threads", str(args.threads), *(["--quick"] if args.quick else [])]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    subprocess.run([*launcher, *argv], check=True, env=env)
+
+
+def _plot(table, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(9, 3.5))
+    summary = table.groupby("world").agg(seconds=("seconds", "max"), peak_gb=("peak_gb", "max"))
+    time_axis.plot(summary.index, summary["seconds"], marker="o")
+    time_axis.set(xlabel="processes", ylabel="convert wall time, slowest rank (s)", xticks=list(summary.index))
+    memory_axis.plot(summary.index, summary["peak_gb"], marker="o")
+    memory_axis.set(xlabel="processes", ylabel="peak resident memory per rank (GB)", xticks=list(summary.index))
+    figure.suptitle("panther_lite.convert across processes (gloo, CPU)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/results/cpu"))
+    parser.add_argument("--quick", action="store_true", help="a tiny model instead of the TinyLlama shape")
+    parser.add_argument("--layers", type=int, default=22, help="TinyLlama blocks (default 22)")
+    parser.add_argument("--batches", type=int, default=8, help="calibration batches of 2 sequences (default 8)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS))
+    parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_worker:
+        rank_main(args)
+        return
+    import pandas as pd
+
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    record = args.output_dir / "distributed_ranks.jsonl"
+    record.unlink(missing_ok=True)
+    for world in args.worlds:
+        _run_world(world, args, record)
+    table = pd.read_json(record, lines=True).sort_values(["world", "rank"])
+    record.unlink()
+    table.to_csv(args.output_dir / "distributed.csv", index=False)
+    _plot(table, args.output_dir / "distributed.png")
+    print(table.to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""The tiny models and calibration batches the multi-process tests convert (the same in the test
+process and in every rank)."""
+from __future__ import annotations
+
+import torch
+
+
+def tiny_llama(kind: str = "llama"):
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "mixtral":  # 4 experts, 2 per token: per-expert statistics
+        config = transformers.MixtralConfig(
+            vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        )
+        model = transformers.MixtralForCausalLM(config)
+        model.set_experts_implementation("eager")
+        return model.eval()
+    config = transformers.LlamaConfig(
+        vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def batches(count: int = 4, size: int = 2, length: int = 12):
+    generator = torch.Generator().manual_seed(1)
+    return [dict(input_ids=torch.randint(0, 48, (size, length), generator=generator)) for _ in range(count)]

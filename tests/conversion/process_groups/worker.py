@@ -1,0 +1,91 @@
+"""One rank of a multi-process conversion for the tests (launched by ``launch.py``): builds the
+tiny LLaMA and batches of ``scenario.py``, converts under an initialised gloo group, and rank 0
+saves the converted state dict and report to ``OUT``."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from scenario import batches, tiny_llama  # noqa: E402
+
+
+def _die_at_second_exchange() -> None:
+    """This rank exits abruptly (no cleanup) when it reaches its second exchange of statistics."""
+    from panther_lite.conversion.process_groups.group import ProcessGroupRun
+
+    original, calls = ProcessGroupRun.sum_in_rank_order, []
+
+    def dying(self, tensors, what):
+        calls.append(what)
+        if len(calls) == 2:
+            os._exit(3)
+        return original(self, tensors, what)
+
+    ProcessGroupRun.sum_in_rank_order = dying
+
+
+def _refusals() -> dict:
+    """Each option not distributed yet, tried: ``{case: "ErrorType: message"}`` (or "ran")."""
+    import panther_lite
+
+    cases = {
+        "refine": lambda: panther_lite.convert(tiny_llama(), calibration_data=batches(), param_ratio=0.5, refine=True),
+        "callable": lambda: panther_lite.convert(tiny_llama(), calibration_data=lambda m: m(batches(1)[0]["input_ids"]),
+                                                 param_ratio=0.5),
+        "odd batches": lambda: panther_lite.convert(tiny_llama(), calibration_data=batches(4, size=3), param_ratio=0.5),
+        "one batch": lambda: panther_lite.convert(tiny_llama(), calibration_data=batches(1), param_ratio=0.5),
+        "tune": lambda: panther_lite.tune(tiny_llama(), lambda m: 0.0, tolerance=0.1, calibration_data=batches()),
+    }
+    found = {}
+    for name, case in cases.items():
+        try:
+            case()
+            found[name] = "ran"
+        except Exception as error:  # noqa: BLE001 - the test reads each error
+            found[name] = f"{type(error).__name__}: {error}"
+    return found
+
+
+def main() -> None:
+    options, out = json.loads(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=float(os.environ.get("TEST_COLLECTIVE_TIMEOUT", "120")))
+    backend = os.environ.get("TEST_BACKEND", "gloo")
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, timeout=timeout)
+    rank = dist.get_rank()
+    if os.environ.get("TEST_DIE_RANK") == str(rank):
+        _die_at_second_exchange()
+    mode = options.pop("mode", "convert")
+    if mode == "convert":
+        import panther_lite
+
+        model = tiny_llama(options.pop("model", "llama"))
+        if options.pop("explicit_group", False):  # a group of its own, not the default one
+            options["process_group"] = dist.new_group(ranks=list(range(dist.get_world_size())))
+        report = panther_lite.convert(model, calibration_data=batches(options.pop("batches", 4)), progress=False, **options)
+        if rank == 0:
+            torch.save({"state": model.state_dict(), "rows": report["calibration_rows"].fillna(-1).astype(int).tolist()}, out)
+    elif mode == "refusals":
+        if rank == 0:
+            torch.save(_refusals(), out)
+        else:
+            _refusals()
+    else:  # compress: options["source"] a checkpoint directory, OUT the output directory
+        import panther_lite
+
+        source = options.pop("source")
+        panther_lite.compress_checkpoint(source, out, calibration_data=batches(options.pop("batches", 4)),
+                                         progress=False, **options)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
