@@ -206,7 +206,8 @@ def _warn_if_few_tokens(model: nn.Module, tokens: int) -> None:
 
 def _inputs(args: argparse.Namespace) -> dict:
     """What OUT_DIR must never be, hold or lie inside, by the name the messages give it."""
-    return {"MODEL_DIR": args.model_dir, "the calibration file": args.calibration}
+    inputs = {"MODEL_DIR": args.model_dir, "the calibration file": args.calibration}
+    return inputs if args.eval is None else {**inputs, "the --eval file": args.eval}
 
 
 def _check_paths(args: argparse.Namespace) -> None:

@@ -76,3 +76,17 @@ def test_bad_eval_input_ends_in_one_message_and_writes_nothing(case, words, chec
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert sorted(path.name for path in tmp_path.iterdir()) == before
+
+
+def test_an_eval_file_inside_out_dir_is_never_overwritten(checkpoints, text_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    kept = out / "eval.txt"
+    kept.write_text(text_file.read_text())
+    aliased = tmp_path / "alias"
+    aliased.symlink_to(out)
+    argv = _argv(checkpoints["llama"], text_file, out, "--overwrite", "--eval", str(aliased / "eval.txt"))
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "--eval file" in err and len(err.strip().splitlines()) == 1, err
+    assert kept.read_text() == text_file.read_text()
