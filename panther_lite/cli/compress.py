@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..conversion import ConvertConfig, RefineConfig, random_token_batches
-from ..conversion.config import ALLOCATIONS, device_problem
+from ..conversion.config import ALLOCATIONS, SENSITIVITY_METRICS, device_problem
 from ..conversion.distilling.distillation import RANDOM_TOKEN_LENGTH as DISTILL_RANDOM_TOKEN_LENGTH
 from ..conversion.kinds import kind_of
 from ..conversion.saving.checkpoint_files import CheckpointFiles
@@ -79,7 +79,7 @@ def _blocks(text: str):
 
 CONVERT_OPTIONS = (
     Option("param_ratio", _ratio), Option("num_terms", positive_int), Option("low_rank", positive_int),
-    Option("allocation", ALLOCATIONS), Option("sequential", bool), Option("decomposition", FIT_METHODS, aliases=("--fit",)),
+    Option("allocation", ALLOCATIONS), Option("sensitivity", SENSITIVITY_METRICS), Option("sequential", bool), Option("decomposition", FIT_METHODS, aliases=("--fit",)),
     Option("align", _alignment, metavar="auto|none|N"), Option("seed", int),
     Option("calibration_device", _device, metavar="DEVICE"), Option("blocks", _blocks, metavar="auto|off|PATH"),
 )

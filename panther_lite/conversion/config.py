@@ -27,6 +27,7 @@ __all__ = ["ConvertConfig", "RefineConfig", "SizeRequest", "RankSpec", "ALLOCATI
 ModuleSelector = Union[str, Sequence[str], None]
 ModuleFilter = Callable[[nn.Module, str], bool]
 ALLOCATIONS = ("uniform", "global")
+SENSITIVITY_METRICS = ("auto", "kl", "norm")
 
 
 def cache_device(calibration_device: Optional[torch.device]) -> torch.device:
@@ -221,6 +222,11 @@ class ConvertConfig:
             data, by the layer's measured gain to the model's output
             (:mod:`~panther_lite.conversion.planning.sensitivity`); a layer no sketch beats, or
             whose budget buys more elsewhere, stays dense with the reason.
+        sensitivity: how the global allocation's gains compare the model's outputs
+            (:mod:`~panther_lite.conversion.planning.output_distance`): ``"kl"``, the KL divergence
+            of the next-token distributions its ``logits`` give (what perplexity feels), ``"norm"``,
+            the relative squared change of its first floating-point tensor, ``"auto"``, ``"kl"``
+            for an output holding ``logits`` (language models, classifiers), else ``"norm"``.
         align: ``low_rank`` rounding for tensor cores: ``"auto"`` rounds to the dtype's
             multiple (8 for fp16/bf16, 4 for TF32) only for CUDA layers in a tensor-core
             dtype; None never; an int to that multiple. Never where it would leave more than
@@ -282,6 +288,7 @@ class ConvertConfig:
     param_ratio: Optional[float] = None
     rank_pattern: Optional[Mapping[str, RankSpec]] = None
     allocation: str = "uniform"
+    sensitivity: str = "auto"
     init: str = "svd"
     decomposition: str = "auto"
     align: Union[None, str, int] = "auto"
@@ -311,6 +318,7 @@ class ConvertConfig:
         check_filter(self.filter_fn)
         check_choice("init", self.init, INITS)
         check_choice("allocation", self.allocation, ALLOCATIONS)
+        check_choice("sensitivity", self.sensitivity, SENSITIVITY_METRICS)
         check_choice("decomposition", self.decomposition, FIT_METHODS)
         set_field = functools.partial(object.__setattr__, self)  # the dataclass is frozen
         set_field("sequential", check_bool("sequential", self.sequential))

@@ -99,7 +99,7 @@ def test_a_nan_output_gain_falls_back_to_unit_gains_loudly(monkeypatch):
     never everything kept dense at twice the budget."""
     from panther_lite.conversion.pipelines import whole_model
 
-    def gains(model, records, run):
+    def gains(model, records, run, metric):
         return {record.name: math.nan if record.name == "2" else 1.0 for record in records}
 
     monkeypatch.setattr(whole_model, "output_gains", gains)

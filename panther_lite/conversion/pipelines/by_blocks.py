@@ -202,7 +202,7 @@ class ByBlocks:
         """The hook giving each block's squared gain to the model's output (global allocation):
         here one forward and backward of the first calibration batch through the whole model."""
         first = self.job.data.first_batch()
-        return block_output_gains(self.job.model, blocks, lambda module: run_batch(module, first))
+        return block_output_gains(self.job.model, blocks, lambda module: run_batch(module, first), self.job.config.sensitivity)
 
     def plan(self, job: Conversion) -> Dict[str, PlanNote]:
         """Size the layers (a global plan from one spectra pass over the captured calls)."""

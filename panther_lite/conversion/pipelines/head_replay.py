@@ -19,7 +19,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 from ..calibration.batches import evaluation_run, run_batch
-from ..planning.sensitivity import _first_tensor
+from ..calibration.tokens import batch_token_mask
+from ..planning.output_distance import probe_output
 from .blocks import BlockCall, BlockList, output_hidden, with_hidden
 
 __all__ = ["HeadRunner", "output_template", "streamed_block_gains"]
@@ -105,7 +106,7 @@ def _vector_jacobian(block: nn.Module, call: BlockCall, hidden: Tensor, grad: Te
 
 def streamed_block_gains(
     head: HeadRunner, block_list: BlockList, count: int, batch, calls: Sequence[BlockCall],
-    outputs: Callable[[int], Tensor], loaded: Callable[[int], ContextManager], device=None,
+    outputs: Callable[[int], Tensor], loaded: Callable[[int], ContextManager], device=None, metric: str = "auto",
 ) -> List[float]:
     """:func:`~panther_lite.conversion.planning.sensitivity.block_output_gains` of the first
     ``count`` blocks, streamed: ``outputs(b)`` is block ``b``'s output on the first batch
@@ -117,12 +118,12 @@ def streamed_block_gains(
     last = len(block_list.blocks) - 1
     leaf = outputs(last).detach().requires_grad_()
     with evaluation_run(head), torch.enable_grad():
-        output = _first_tensor(head(batch, leaf))
-        if output is None or not output.requires_grad or not bool(output.norm() > 0):
+        probe = probe_output(head(batch, leaf), batch_token_mask(batch), metric)
+        if probe is None or not probe.tensor.requires_grad or not probe.moves():
             return [1.0] * count
-        direction = torch.randn(output.shape, generator=torch.Generator().manual_seed(0)).to(output)
-        (grad,) = torch.autograd.grad(output, leaf, direction, allow_unused=True)
-    reference = float(output.detach().double().norm() ** 2)
+        direction = probe.direction(torch.Generator().manual_seed(0))
+        (grad,) = torch.autograd.grad(probe.tensor, leaf, direction, allow_unused=True)
+    reference = probe.reference()
     gains = [1.0] * count
     for index in range(last, -1, -1):
         if grad is None:  # the output does not depend on this block's output, nor on any before

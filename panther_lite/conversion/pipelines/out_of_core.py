@@ -174,7 +174,7 @@ class OutOfCore(ByBlocks):
         loaded = lambda index: self.parts.loaded(index, self.device)  # noqa: E731
         first = self.job.data.first_batch()
         return streamed_block_gains(self._head(), self.block_list, len(blocks), first, self.captured.calls[0], outputs,
-                                    loaded, self.device)
+                                    loaded, self.device, self.job.config.sensitivity)
 
     def _head(self) -> HeadRunner:
         return HeadRunner(self.job.model, self.block_list, self._template)

@@ -40,7 +40,7 @@ def _spectra(model: nn.Module, pooled: List[LayerRecord], data: CalibrationData,
         recorder = calibration.recorders.get(record.name)
         energies.update(record.strategy.energies(record, recorder, config))
         calibration.release(record.name)
-    return energies, output_gains(model, pooled, calibration.replay)
+    return energies, output_gains(model, pooled, calibration.replay, config.sensitivity)
 
 
 def spectra_pass(

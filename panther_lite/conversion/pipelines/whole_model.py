@@ -41,7 +41,7 @@ class WholeModel:
                 name: energy for r in pooled for name, energy in r.strategy.energies(r, recorders.get(r.name), config).items()
             }
             replay = None if calibration is None else calibration.replay
-            gains = {} if replay is None else output_gains(model, pooled, replay)
+            gains = {} if replay is None else output_gains(model, pooled, replay, config.sensitivity)
             sizes, multiple_of = config.sizes, rank_multiple_for(config.align)
             notes.update(plan_global(pooled, sizes.default, sizes.ratio_terms, multiple_of, {}, gains, energies))
         if calibration is not None:

@@ -5,9 +5,10 @@ A layer's truncation error is a perturbation of its output; what matters is the 
 it causes at the model's output. To first order that is the layer's relative output error
 times a gain that depends on the rest of the network (residual connections, normalisation,
 the layers after it). The gain is measured once per layer on one calibration batch: add
-Gaussian noise of relative size ``ε`` to the layer's output, run the model, and take the
-relative change of the model's output (its first floating-point tensor) over ``ε``. The
-allocation then minimises ``Σ_l gain_l² · e_l``.
+Gaussian noise of relative size ``ε`` to the layer's output, run the model, and take how far
+the model's output moved over ``ε²``: the next-token KL of its logits (a language model, a
+classifier), else the relative squared change of its first floating-point tensor
+(:mod:`.output_distance`). The allocation then minimises ``Σ_l gain_l² · e_l``.
 
 Only real tokens count: where the batch's attention mask lines up with an output (or a layer's
 output), its padded positions are zeroed before any norm and get no noise
@@ -29,47 +30,36 @@ from ..calibration.batches import ModelRun, evaluation_run
 from ..calibration.tokens import current_token_mask, zero_padding
 from ..process_groups.statistics import measured_on_first
 from ..records import LayerRecord
+from .output_distance import OutputProbe, probe_output
 
 NOISE = 0.05
 
 
-def _first_tensor(output) -> Optional[Tensor]:
-    """The first floating-point tensor in a model's output (a Tensor, a tuple/list, a dict or
-    a Hugging Face ``ModelOutput``)."""
-    if isinstance(output, Tensor):
-        return output if output.is_floating_point() else None
-    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
-    for value in values:
-        found = _first_tensor(value)
-        if found is not None:
-            return found
-    return None
-
-
-def _real_output(model: nn.Module, run: ModelRun) -> Optional[Tensor]:
-    """The first floating-point tensor of ``run(model)``'s output, its padded positions zeroed
-    (the token mask is read while the model runs)."""
+def _probe(model: nn.Module, run: ModelRun, metric: str) -> Optional[OutputProbe]:
+    """The :class:`~.output_distance.OutputProbe` of ``run(model)``'s output under ``metric``, with
+    the batch's token mask (read while the model runs)."""
     masks: List[Optional[Tensor]] = [None]
     handle = model.register_forward_pre_hook(lambda module, args: masks.__setitem__(0, current_token_mask()))
     try:
-        output = _first_tensor(run(model))
+        output = run(model)
     finally:
         handle.remove()
-    return None if output is None else zero_padding(output, masks[0])
+    return probe_output(output, masks[0], metric)
 
 
 @measured_on_first
-def output_gains(model: nn.Module, records: List[LayerRecord], run: ModelRun) -> Dict[str, float]:
-    """``{name: gain²}``: the squared relative change of the model's output per relative
-    noise added to each layer's output, when ``run(model)`` (one calibration batch) runs it
-    (1.0 for every layer when the output holds no floating-point tensor or does not move)."""
+def output_gains(model: nn.Module, records: List[LayerRecord], run: ModelRun, metric: str = "auto") -> Dict[str, float]:
+    """``{name: gain²}``: how far the model's output moves (:mod:`.output_distance` under
+    ``metric``: the next-token KL of its logits, or the squared change of its first tensor), per
+    squared relative noise added to each layer's output, when ``run(model)`` (one calibration
+    batch) runs it (1.0 for every layer when the output holds no floating-point tensor or does not move)."""
     with evaluation_run(model):
-        reference = _real_output(model, run)
-        if reference is None or not bool(reference.norm() > 0):
+        reference = _probe(model, run, metric)
+        if reference is None or not reference.moves():
             return {record.name: 1.0 for record in records}
         gains = {}
         for index, record in enumerate(records):
-            generator = torch.Generator(device=reference.device).manual_seed(index)
+            generator = torch.Generator(device=reference.tensor.device).manual_seed(index)
 
             def perturb(module, args, output):
                 noise = torch.randn(output.shape, generator=generator, device=output.device, dtype=output.dtype)
@@ -79,10 +69,10 @@ def output_gains(model: nn.Module, records: List[LayerRecord], run: ModelRun) ->
 
             handle = record.module.register_forward_hook(perturb)
             try:
-                moved = _real_output(model, run)
+                moved = _probe(model, run, metric)
             finally:
                 handle.remove()
-            gains[record.name] = float(((moved - reference).norm() / reference.norm() / NOISE) ** 2)
+            gains[record.name] = reference.distance(moved.tensor) / reference.reference() / NOISE**2
     return gains
 
 
@@ -91,12 +81,14 @@ def _hidden(output) -> Tensor:
 
 
 @measured_on_first
-def block_output_gains(model: nn.Module, blocks: List[nn.Module], run: ModelRun) -> List[float]:
+def block_output_gains(model: nn.Module, blocks: List[nn.Module], run: ModelRun, metric: str = "auto") -> List[float]:
     """Squared gain from each block's output to the model's output, to first order, from one
     forward and one backward of ``run(model)``: for a random direction ``u`` at the output
-    ``y``, ``E‖J_bᵀu‖² = ‖J_b‖_F²``, and Gaussian noise of relative size ``ε`` at the block's
-    output ``x_b`` (``n_b`` entries) moves ``y`` by ``ε‖x_b‖‖J_b‖_F/√n_b`` in expectation, so
-    ``gain_b² = ‖x_b‖²‖J_bᵀu‖² / (n_b‖y‖²)``. Parameters get no gradients (the first block's
+    ``y`` with ``E[u uᵀ] = M`` (the metric of :mod:`.output_distance`: ``I``, or the Fisher
+    information of the next-token distributions), ``E‖J_bᵀu‖² = tr(J_bᵀ M J_b)``, and Gaussian
+    noise of relative size ``ε`` at the block's output ``x_b`` (``n_b`` entries) moves ``y`` by
+    ``ε²‖x_b‖² tr(J_bᵀ M J_b)/n_b`` in that metric, so ``gain_b² = ‖x_b‖²‖J_bᵀu‖² / (n_b·ref)``
+    (``ref``: ``‖y‖²``, or the count of real tokens). Parameters get no gradients (the first block's
     input is made the graph's leaf); 1.0 for every block when the output does not move."""
     if not blocks:
         return []
@@ -114,16 +106,16 @@ def block_output_gains(model: nn.Module, blocks: List[nn.Module], run: ModelRun)
     handles += [block.register_forward_hook(keep(index)) for index, block in enumerate(blocks)]
     try:
         with evaluation_run(model), torch.enable_grad():
-            output = _first_tensor(run(model))
-            if output is None or not output.requires_grad or not bool(output.norm() > 0):
+            probe = _probe(model, run, metric)
+            if probe is None or not probe.tensor.requires_grad or not probe.moves():
                 return [1.0] * len(blocks)
-            direction = torch.randn(output.shape, generator=torch.Generator().manual_seed(0)).to(output)
             hidden = [outputs[index] for index in range(len(blocks))]
-            grads = torch.autograd.grad(output, hidden, direction, allow_unused=True)
+            direction = probe.direction(torch.Generator().manual_seed(0))
+            grads = torch.autograd.grad(probe.tensor, hidden, direction, allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
-    reference = float(output.detach().double().norm() ** 2)
+    reference = probe.reference()
     return [
         1.0 if grad is None else float(x.detach().double().norm() ** 2 * grad.double().norm() ** 2 / (x.numel() * reference))
         for x, grad in zip(hidden, grads)

@@ -94,16 +94,18 @@ def test_the_head_replayed_on_the_last_blocks_output_gives_the_models_output(bui
     assert all(isinstance(block, type(block_list.blocks[0])) for block in model.get_submodule(block_list.path))
 
 
+@pytest.mark.parametrize("metric", ["kl", "norm"])
 @pytest.mark.parametrize("count", [3, 2])
-def test_streamed_block_gains_equal_the_whole_models_backward(count):
-    model, batch = _llama(), {"input_ids": torch.randint(0, 30, (2, 6), generator=torch.Generator().manual_seed(1))}
+def test_streamed_block_gains_equal_the_whole_models_backward(count, metric):
+    model, batch = _llama(), {"input_ids": torch.randint(0, 30, (2, 6), generator=torch.Generator().manual_seed(1)),
+                              "attention_mask": torch.tensor([[1] * 6, [1] * 4 + [0] * 2])}
     block_list, _ = find_blocks(model, select_layers(model, None, None, None), "auto")
     calls = _calls(model, block_list, batch)
-    expected = block_output_gains(model, block_list.blocks[:count], lambda m: run_batch(m, batch))
+    expected = block_output_gains(model, block_list.blocks[:count], lambda m: run_batch(m, batch), metric)
     head = HeadRunner(model, block_list, output_template(block_list.blocks[0], calls[0]))
     outputs = _outputs(model, block_list, calls)
     got = streamed_block_gains(head, block_list, count, batch, calls, outputs.__getitem__,
-                               lambda index: contextlib.nullcontext())
+                               lambda index: contextlib.nullcontext(), metric=metric)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-9, atol=0)
     assert len(set(got)) == count  # not the 1.0 fallback
 
