@@ -237,8 +237,9 @@ def compress_checkpoint(
             place. Each flag is True or False (TypeError otherwise).
         process_group: as for ``convert`` (None: the default group when ``torch.distributed`` is
             initialised, e.g. under ``torchrun``): every process converts its share of the batches
-            (``in_memory=True`` only, so far) and rank 0 alone writes ``output_dir``, the others
-            waiting for it at a barrier.
+            (streamed: each reads the blocks itself and keeps its batches' hidden states in the
+            staging directory, which every process must see, for ``resume`` on any number of
+            processes) and rank 0 alone writes ``output_dir``, the others waiting for it at a barrier.
         distill: None, or a callable ``(model, teacher, directory)`` run after the conversion and
             before the model is saved, e.g. one calling :func:`~panther_lite.distill`: the
             checkpoint is then loaded whole and a copy of it kept as ``teacher`` (the original),
