@@ -31,7 +31,7 @@ from .config_options import Option, add_config_options, config_overrides
 from .checkpoint import CommandError, calibration_batches, check_model_dir, load_tokenizer, read_samples
 from .distilling import add_distill_options, check_distill_options, distiller
 from .evaluation import Evaluation, add_evaluation_options
-from .torchrun import across_processes, add_distributed_arguments
+from .torchrun import across_processes, add_distributed_arguments, first_process, several_processes
 
 __all__ = ["add_compress_command", "run_compress", "REPORT_CSV", "REPORT_PNG", "REFINEMENT_CSV"]
 
@@ -284,12 +284,13 @@ def run_compress(args: argparse.Namespace) -> int:
     read_samples(args.calibration, args.max_samples)  # a bad calibration file fails before any model is read
     config = convert_config(args)
     check_distill_options(args)
-    evaluation = Evaluation(args, say)
+    evaluation = Evaluation(args, say, measures=first_process())  # across processes: rank 0 alone
     with _transformers_bars(shown=not args.quiet), quiet_optional_imports(), _warnings_on_one_line():
         tokenizer = load_tokenizer(args.model_dir)
         files = CheckpointFiles(args.model_dir)
         text, batches = _calibration(args, tokenizer, files, say)
-        evaluation.measure("original", args.model_dir, args.quiet)
+        if not several_processes():  # across processes, after the conversion: the others never wait for it
+            evaluation.measure("original", args.model_dir, args.quiet)
         kept = staging_path(args.output)
         earlier = kept.is_dir() and not args.resume  # refused: the error says why
         try:
@@ -304,9 +305,12 @@ def run_compress(args: argparse.Namespace) -> int:
                 print(f"the work done so far is kept in {str(kept)!r}: run the same command with --resume to continue "
                       "it, or delete it", file=sys.stderr, flush=True)
             raise
+        if several_processes():
+            evaluation.measure("original", args.model_dir, args.quiet)
     say(f"converted in {time.perf_counter() - started:.1f} s ({report.attrs['pipeline']})")
     _say_refinement(report, say)
-    print(report.attrs["summary"], flush=True)
+    if first_process():
+        print(report.attrs["summary"], flush=True)
     _evaluate_output(evaluation, args, report)
     say(f"wrote {args.output} in {time.perf_counter() - started:.1f} s; load it with "
         f"panther_lite.from_pretrained({files.auto_class.__name__}, {str(args.output)!r})")

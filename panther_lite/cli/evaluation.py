@@ -31,11 +31,12 @@ def add_evaluation_options(command) -> None:
 
 
 class Evaluation:
-    """The perplexities one ``compress --eval`` run measures (none without ``--eval``)."""
+    """The perplexities one ``compress --eval`` run measures (none without ``--eval``, nor where
+``measures`` is False: the ranks other than 0 across processes, whose options are still checked)."""
 
-    def __init__(self, args: argparse.Namespace, say) -> None:
+    def __init__(self, args: argparse.Namespace, say, measures: bool = True) -> None:
         self.path: Optional[Path] = args.eval
-        self.seq_len, self.say, self.rows = args.eval_seq_len, say, []
+        self.seq_len, self.say, self.rows, self.measures = args.eval_seq_len, say, [], measures
         self.original = not args.no_eval_original
         if self.path is None and (args.eval_seq_len is not None or args.no_eval_original):
             raise CommandError("--eval-seq-len and --no-eval-original go with --eval TEXT_FILE")
@@ -44,7 +45,7 @@ class Evaluation:
 
     def measure(self, label: str, directory: Path, quiet: bool) -> Optional[Perplexity]:
         """The perplexity of the checkpoint ``directory`` (streamed), recorded as ``label``."""
-        if self.path is None or (label == "original" and not self.original):
+        if self.path is None or not self.measures or (label == "original" and not self.original):
             return None
         started = time.perf_counter()
         value = perplexity(directory, self.path, seq_len=self.seq_len, progress=not quiet)

@@ -1,6 +1,7 @@
 """The command under ``torchrun``: the process group started from torchrun's environment
 (``WORLD_SIZE`` > 1) with the ``--collective-timeout``, gloo on CPUs or NCCL with one GPU per rank
-(``--calibration-device cuda``), and ended when the command ends; only rank 0 reports progress."""
+(``--calibration-device cuda``), and ended when the command ends; only rank 0 reports progress, its
+summary and its evaluation."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,7 @@ import functools
 import os
 from typing import Callable
 
-__all__ = ["add_distributed_arguments", "across_processes"]
+__all__ = ["add_distributed_arguments", "across_processes", "first_process", "several_processes"]
 
 DEFAULT_TIMEOUT = 1800.0
 
@@ -19,6 +20,16 @@ def add_distributed_arguments(command: argparse.ArgumentParser) -> None:
     group.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                        help="how long a process waits for the others at each exchange of statistics before the run "
                             f"stops with an error naming the exchange (default {DEFAULT_TIMEOUT:g})")
+
+
+def several_processes() -> bool:
+    """Whether the command runs as one of several processes (torchrun's ``WORLD_SIZE`` > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def first_process() -> bool:
+    """Whether this process reports (the summary line, ``--eval``): rank 0, or the only process."""
+    return not several_processes() or int(os.environ.get("RANK", "0")) == 0
 
 
 def _backend(args: argparse.Namespace) -> str:
@@ -36,7 +47,7 @@ def across_processes(run: Callable[[argparse.Namespace], int]) -> Callable[[argp
 
     @functools.wraps(run)
     def wrapper(args: argparse.Namespace) -> int:
-        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        if not several_processes():
             return run(args)
         import torch.distributed as dist
 

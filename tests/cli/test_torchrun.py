@@ -1,6 +1,7 @@
-"""The command under ``torchrun --nproc-per-node 2`` (gloo on the CPU, in memory): the same output
-files as one process, global allocation and sequential fits included; the streamed pipeline
-across processes is refused naming ``--in-memory``."""
+"""The command under ``torchrun --nproc-per-node 2`` (gloo on the CPU): the same output files as one
+process, global allocation and sequential fits included, in memory; streamed, a run whose rank 1
+dies leaves its work for ``--resume``, which finishes with the one-process output, rank 0 alone
+printing the summary and evaluating (``--eval``)."""
 from __future__ import annotations
 
 import os
@@ -50,8 +51,41 @@ def test_torchrun_two_processes_write_the_one_process_model(checkpoints, text_fi
         torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_torchrun_without_in_memory_is_refused_naming_it(checkpoints, text_file, tmp_path):
+_DIE = """
+import os
+if os.environ.get("RANK") == os.environ.get("TEST_DIE_RANK"):  # rank 1 of the killed run: dies after block 0
+    from panther_lite.conversion.process_groups.group import ProcessGroupRun
+    barrier = ProcessGroupRun.barrier
+
+    def dying(self, what):
+        if "after block 1" in what:
+            os._exit(3)
+        return barrier(self, what)
+
+    ProcessGroupRun.barrier = dying
+"""
+
+
+def test_torchrun_streamed_killed_rank_then_resume_gives_the_one_process_model(checkpoints, text_file, tmp_path):
     options = [option for option in OPTIONS if option != "--in-memory"]
-    result = _compress(TORCHRUN, checkpoints["llama"], text_file, tmp_path / "out", *options)
-    assert result.returncode != 0 and "in_memory=True (--in-memory" in result.stderr
-    assert not (tmp_path / "out").exists()
+    alone, across = tmp_path / "alone", tmp_path / "across"
+    result = _compress([sys.executable], checkpoints["llama"], text_file, alone, *options)
+    assert result.returncode == 0, result.stderr
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_DIE)
+    env = {**ENV, "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}", "TEST_DIE_RANK": "1"}
+    argv = ["compress", str(checkpoints["llama"]), "--calibration", str(text_file), "--output", str(across), *options]
+    killed = subprocess.run([*TORCHRUN, "-m", "panther_lite", *argv, "--collective-timeout", "60"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=400, env=env)
+    assert killed.returncode != 0 and not across.exists()
+    assert (tmp_path / ".across.partial").is_dir()  # block 0 committed: kept for --resume
+    result = _compress(TORCHRUN, checkpoints["llama"], text_file, across, *options, "--resume", "--eval", str(text_file))
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = [line for line in result.stdout.splitlines() if line.startswith("converted ")]
+    assert len(summary) == 1 and result.stdout.count("perplexity on ") == 1, result.stdout  # rank 0 alone
+    assert (across / "evaluation.csv").is_file() and not (tmp_path / ".across.partial").exists()
+    expected, got = _tensors(alone), _tensors(across)
+    assert expected.keys() == got.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=1e-4, msg=name)

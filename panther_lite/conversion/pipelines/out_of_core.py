@@ -34,6 +34,7 @@ from ..config import ConvertConfig
 from ..fitting.layer import FitResult
 from ..fitting.planned import fit_planned
 from ..planning.sizes import PlanNote, plan_uniform
+from ..process_groups.statistics import first_problem, measured_by_first
 from ..records import LayerRecord, check_finite_weights
 from ..saving.checkpoint_files import CheckpointFiles, check_placed, reported_unexpected
 from ..saving.resume_state import RunState
@@ -130,7 +131,7 @@ class OutOfCore(ByBlocks):
         with self.parts.loaded(index, self.device):
             check_finite_weights([r for r in self.block_list.records_in(index, self.job.records) if r.to_convert])
             yield
-            if self.writing:
+            if self.writing and self.state.writes:  # across processes: rank 0 alone writes
                 write_part(self.state.part_path(f"block-{index:05d}"), self.parts.state(index))
 
     def capture(self, job: Conversion) -> Optional[str]:
@@ -166,6 +167,7 @@ class OutOfCore(ByBlocks):
             with writing(_output_path(self.state, index)):
                 torch.save(hidden, _output_path(self.state, index))
 
+    @measured_by_first  # across processes: rank 0, which holds the first batch, alone streams the blocks for it
     def block_gains(self, blocks: List[nn.Module]) -> List[float]:
         """Each block's squared gain to the output, from the first batch's block outputs (one
         forward pass) and one reverse pass over the blocks (:func:`streamed_block_gains`)."""
@@ -281,7 +283,8 @@ class OutOfCore(ByBlocks):
                 calibration = collect_grams(head, outside, data, False, config.calibration_device, config.held_back)
                 fits = fit_planned(head, outside, config, calibration, first_index=first_index)
             log += swap_modules(job.model, [(name, fit.module) for name, fit in fits.items()])
-        write_part(self.state.part_path("outside"), self.parts.state(None))
+        if self.state.writes:
+            write_part(self.state.part_path("outside"), self.parts.state(None))
         layers = [entry for entry in conversion_config(job.model)["layers"] if entry["name"] in fits]
         record = dict(fits={name: _fit_entry(fit) for name, fit in fits.items()}, **_records_entry(outside),
                       layers=layers, refinement=[])
@@ -329,7 +332,7 @@ def choose_out_of_core(job: Conversion, files: CheckpointFiles, state: RunState)
     parts.load(None)
     description = f"{OutOfCore.name}: {description}, each read from the checkpoint only while it is at work"
     pipeline = OutOfCore(block_list, description, config, parts, state)
-    problem = pipeline.capture(job)
+    problem = first_problem(pipeline.capture(job))  # across processes: the same pipeline on every rank
     if problem is not None and config.blocks not in (None, "auto"):
         raise ValueError(f"blocks={config.blocks!r}: {problem}; pass blocks=False")
     if problem is not None:

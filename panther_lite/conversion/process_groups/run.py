@@ -101,14 +101,9 @@ def distributed_conversion(process_group, config, data: CalibrationData) -> Iter
 
 def check_compress_across(run: ProcessGroupRun, in_memory: bool, distill, resume: bool) -> None:
     """``compress_checkpoint``'s options that cannot run across processes yet, refused naming them."""
-    if not in_memory:
-        raise NotImplementedError(
-            f"compress_checkpoint across {run.world} processes: the streamed (out-of-core) pipeline is not "
-            "distributed yet; pass in_memory=True (--in-memory: each process loads the model), or run in one process"
-        )
     if distill is not None:
         raise NotImplementedError(f"compress_checkpoint across {run.world} processes: distill is not distributed yet")
-    if resume:
+    if resume and in_memory:
         raise NotImplementedError(
             f"compress_checkpoint across {run.world} processes: resume=True is not supported with in_memory=True; "
             "an in-memory run keeps no work to resume"

@@ -12,7 +12,10 @@ from torch import Tensor
 
 from .group import active_run
 
-__all__ = ["reduce_recorders", "reduce_group_statistics", "agree_any", "gains_from_first", "measured_on_first", "first_problem"]
+__all__ = [
+    "reduce_recorders", "reduce_group_statistics", "agree_any", "gains_from_first", "measured_on_first",
+    "measured_by_first", "first_problem",
+]
 
 
 def _moment_parts(moments, device) -> tuple:
@@ -140,6 +143,21 @@ def measured_on_first(function: Callable) -> Callable:
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         return gains_from_first(function(*args, **kwargs), function.__name__)
+
+    return wrapper
+
+
+def measured_by_first(function: Callable) -> Callable:
+    """``function`` (gains measured on the first calibration batch) run by rank 0 alone, its
+    result sent to every rank: for a measurement the other ranks cannot make (it needs the first
+    batch) or should not pay for (the streamed pipeline's pass over every block)."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        run = active_run()
+        if run is None:
+            return function(*args, **kwargs)
+        return run.from_first(function(*args, **kwargs) if run.rank == 0 else None, function.__name__)
 
     return wrapper
 

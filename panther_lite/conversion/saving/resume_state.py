@@ -24,9 +24,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .stream_shards import remove_shards, shard_streams
 from .weight_files import read_json, writing
 
-__all__ = ["RunState", "RESUME_DIRECTORY", "filter_fingerprint"]
+__all__ = ["RunFiles", "RunState", "RESUME_DIRECTORY", "filter_fingerprint"]
 
 RESUME_DIRECTORY = ".panther_lite_resume"
 _FORMAT, _VERSION = "panther_lite.resume", 1
@@ -96,16 +97,72 @@ def _differences(saved: dict, now: dict) -> List[str]:
     return found
 
 
-class RunState:
+class RunFiles:
+    """The files of the resume directory ``root`` as any process of a run reads them: the parts
+    written, the scratch space, the plan, the committed progress and block records."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def part_path(self, name: str) -> Path:
+        return self.root / "parts" / f"{name}.safetensors"
+
+    def scratch(self, name: str) -> Path:
+        return self.root / "scratch" / name
+
+    def save_scratch(self, name: str, value) -> None:
+        """``value`` (tensors in lists, tuples and dicts) saved as ``name`` in the scratch space,
+        whole or not at all."""
+        temporary = self.scratch(name + ".tmp")
+        with writing(temporary):
+            torch.save(value, temporary)
+        os.replace(temporary, self.scratch(name))
+
+    def load_scratch(self, name: str):
+        """What :meth:`save_scratch` saved as ``name``; None when nothing was (or it cannot be
+        read back: it is only ever worth recomputing)."""
+        path = self.scratch(name)
+        try:
+            return torch.load(path, weights_only=True) if path.is_file() else None
+        except Exception:  # pickle / torch's own errors: recompute it
+            return None
+
+    def plan(self) -> Optional[dict]:
+        path = self.root / "plan.json"
+        return read_json(path, "a saved plan") if path.is_file() else None
+
+    def progress(self, rank: int = 0, world: int = 1) -> Dict[str, Any]:
+        """``{"finished", "outside", "streams"}`` of the last commit (0 blocks, nothing, when
+        none), ``streams`` those of rank ``rank``'s batches out of ``world`` processes
+        (:func:`~.stream_shards.shard_streams`, whatever number of processes committed), the
+        random generators set back to their state at that commit."""
+        path = self.root / "progress.pt"
+        if not path.is_file():
+            return dict(finished=0, outside=False, streams=None)
+        try:
+            state = torch.load(path, weights_only=True)
+        except Exception as error:  # pickle / torch's own errors: an unreadable file whatever the cause
+            raise ValueError(f"cannot resume: {str(path)!r} is unreadable ({error}); delete the staging directory") from None
+        torch.set_rng_state(state["rng"])
+        if state["cuda_rng"]:
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        return dict(state, streams=shard_streams(self.root, state, rank, world))
+
+    def record(self, name) -> dict:
+        """The report entry committed for block ``name`` (an index, or ``"outside"``)."""
+        return read_json(self.root / "blocks" / f"{name}.json", "a block's record")
+
+
+class RunState(RunFiles):
     """The resume bookkeeping in ``staging/.panther_lite_resume`` for the run ``fingerprint``
     (a JSON-able dict with ``checkpoint``, ``options``, ``data`` and ``versions``). A directory
     left by another run (other checkpoint, options, data or versions), or in use by a live run,
     is a ValueError naming the difference; call :meth:`close` when done (it releases the lock)."""
 
     def __init__(self, staging: Path, fingerprint: dict) -> None:
-        self.root = staging / RESUME_DIRECTORY
+        super().__init__(staging / RESUME_DIRECTORY)
         self.root.mkdir(parents=True, exist_ok=True)
-        for folder in ("parts", "blocks", "scratch"):
+        for folder in ("parts", "blocks", "scratch", "streams"):
             (self.root / folder).mkdir(exist_ok=True)
         self._lock = open(self.root / "lock", "w")
         try:
@@ -146,66 +203,24 @@ class RunState:
         is saved: the directory is worth keeping."""
         return (self.root / "plan.json").is_file() or (self.root / "progress.pt").is_file()
 
-    def part_path(self, name: str) -> Path:
-        return self.root / "parts" / f"{name}.safetensors"
-
-    def scratch(self, name: str) -> Path:
-        return self.root / "scratch" / name
-
-    def save_scratch(self, name: str, value) -> None:
-        """``value`` (tensors in lists, tuples and dicts) saved as ``name`` in the scratch space,
-        whole or not at all."""
-        temporary = self.scratch(name + ".tmp")
-        with writing(temporary):
-            torch.save(value, temporary)
-        os.replace(temporary, self.scratch(name))
-
-    def load_scratch(self, name: str):
-        """What :meth:`save_scratch` saved as ``name``; None when nothing was (or it cannot be
-        read back: it is only ever worth recomputing)."""
-        path = self.scratch(name)
-        try:
-            return torch.load(path, weights_only=True) if path.is_file() else None
-        except Exception:  # pickle / torch's own errors: recompute it
-            return None
-
     def save_plan(self, plan: dict) -> None:
         _write_json(self.root / "plan.json", plan)
 
-    def plan(self) -> Optional[dict]:
-        path = self.root / "plan.json"
-        return read_json(path, "a saved plan") if path.is_file() else None
+    writes = True  # this process writes the output (across processes: rank 0 alone)
 
-    def commit(self, finished: int, record: dict, streams, outside: bool = False) -> None:
+    def commit(self, finished: int, record: dict, streams, outside: bool = False, shards: int = 0) -> None:
         """Record that blocks ``0 .. finished - 1`` (and, with ``outside``, everything outside
         the blocks) are written: ``record`` (JSON) is the last one's report entry, ``streams``
-        the hidden states the next block receives (None: not needed)."""
+        the hidden states the next block receives (None: not needed, or held by ``shards``
+        processes in files of their own, :mod:`.stream_shards`, already written)."""
         _write_json(self.root / "blocks" / f"{'outside' if outside else finished - 1}.json", record)
-        state = dict(finished=finished, outside=outside, streams=streams, rng=torch.get_rng_state(),
+        state = dict(finished=finished, outside=outside, streams=streams, shards=shards, rng=torch.get_rng_state(),
                      cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])
         temporary = self.root / "progress.pt.tmp"
         with writing(temporary):
             torch.save(state, temporary)
         os.replace(temporary, self.root / "progress.pt")
-
-    def progress(self) -> Dict[str, Any]:
-        """``{"finished", "outside", "streams"}`` of the last commit (0 blocks, nothing, when
-        none), the random generators set back to their state at that commit."""
-        path = self.root / "progress.pt"
-        if not path.is_file():
-            return dict(finished=0, outside=False, streams=None)
-        try:
-            state = torch.load(path, weights_only=True)
-        except Exception as error:  # pickle / torch's own errors: an unreadable file whatever the cause
-            raise ValueError(f"cannot resume: {str(path)!r} is unreadable ({error}); delete the staging directory") from None
-        torch.set_rng_state(state["rng"])
-        if state["cuda_rng"]:
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
-        return state
-
-    def record(self, name) -> dict:
-        """The report entry committed for block ``name`` (an index, or ``"outside"``)."""
-        return read_json(self.root / "blocks" / f"{name}.json", "a block's record")
+        remove_shards(self.root, finished if shards else None)  # an earlier commit's, or another world size's
 
     def remove(self) -> None:
         """Delete the bookkeeping (the run is complete; the lock goes with it)."""

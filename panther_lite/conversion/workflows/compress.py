@@ -25,7 +25,8 @@ from ...version import __version__
 from ..calibration.batches import CalibrationData
 from ..config import ConvertConfig
 from ..process_groups.group import running_on
-from ..process_groups.run import check_compress_across, resolve_run
+from ..process_groups.run import check_compress_across, distributed_conversion, resolve_run
+from ..process_groups.run_state import announcing, await_staging
 from ..fitting.block_refinement import REFINEMENT_COLUMNS
 from ..pipelines.blocks import without_kv_cache
 from ..pipelines.out_of_core import choose_out_of_core
@@ -121,7 +122,7 @@ def _convert_whole(
     """The checkpoint loaded whole, converted (then distilled against a copy of the original) and saved;
     tensors it lacks are an error unless ``allow_missing`` (then ``attrs["random_weights"]`` names them)."""
     model, random = files.load_whole(dtype, allow_missing)
-    if random:
+    if random and directory is not None:
         warnings.warn(f"compress_checkpoint: MODEL_DIR lacks {len(random)} tensor(s), initialised at random "
                       f"(allow_missing_weights=True): {', '.join(random[:5])}", UserWarning, stacklevel=4)
     teacher = None if distill is None else copy.deepcopy(model)  # a second model only when distilling
@@ -132,28 +133,35 @@ def _convert_whole(
     if distill is not None:
         distill(model, teacher, directory)
         del teacher
-    save_pretrained(model, directory)
+    if directory is not None:
+        save_pretrained(model, directory)
     return report
 
 
 def _convert_into(
     files: CheckpointFiles, dtype: torch.dtype, config: ConvertConfig, data: CalibrationData, state: RunState,
-    directory: Path, in_memory: bool, allow_missing: bool, distill: Optional[Distiller],
+    directory: Optional[Path], in_memory: bool, allow_missing: bool, distill: Optional[Distiller],
 ) -> "pd.DataFrame":
-    """Convert the checkpoint into ``directory``: streamed when it can be, else loaded whole."""
+    """Convert the checkpoint into ``directory``: streamed when it can be, else loaded whole.
+    Across processes each rank streams its own batches; ``directory`` is None on the ranks other
+    than 0, which write nothing."""
     model = files.skeleton(dtype)
-    job = conversion_job(model, config, data, meta_loaded_later=True)
-    if in_memory or distill is not None:
-        pipeline, why = None, "in_memory=True" if in_memory else "distill trains the whole model against the original"
-    else:
-        pipeline, why = choose_out_of_core(job, files, state)
+    with distributed_conversion(None, config, data) as shard:  # this rank's batches (all of them in one process)
+        job = conversion_job(model, config, shard, meta_loaded_later=True)
+        if in_memory or distill is not None:
+            pipeline, why = None, "in_memory=True" if in_memory else "distill trains the whole model against the original"
+        else:
+            pipeline, why = choose_out_of_core(job, files, state)
+        if pipeline is not None:
+            with without_kv_cache(model):
+                report, _ = run_pipeline(job, pipeline)
     if pipeline is None:
-        if not in_memory and distill is None:
+        if not in_memory and distill is None and directory is not None:
             warnings.warn(f"compress_checkpoint: loading {str(files.directory)!r} whole: {why}", UserWarning, stacklevel=3)
         report = _convert_whole(files, dtype, config, data, directory, why, distill, allow_missing)
-    else:
-        with without_kv_cache(model):
-            report, _ = run_pipeline(job, pipeline)
+    if directory is None:
+        return report
+    if pipeline is not None:
         count = len(pipeline.block_list.blocks)
         parts = [state.part_path("outside"), *(state.part_path(f"block-{index:05d}") for index in range(count))]
         finalize_shards(parts, directory)
@@ -163,13 +171,17 @@ def _convert_into(
     return report
 
 
-def _convert_elsewhere(run, model_dir, config: ConvertConfig, calibration_data, dtype, allow_missing: bool) -> "pd.DataFrame":
-    """A rank other than 0 across processes: its share of the conversion (its statistics summed
-    into rank 0's), nothing written; it waits at a barrier until rank 0 has written the output."""
+def _convert_elsewhere(
+    run, model_dir, config: ConvertConfig, data: CalibrationData, dtype, in_memory: bool, allow_missing: bool,
+) -> "pd.DataFrame":
+    """A rank other than 0 across processes, once rank 0 has announced its staging directory: its
+    share of the conversion (its statistics summed into rank 0's, its hidden states kept for a
+    resume), nothing written; it waits at a barrier until rank 0 has written the output."""
     files = CheckpointFiles(Path(model_dir))
-    model, _ = files.load_whole(dtype or files.default_dtype(), allow_missing)
-    with running_on(run), without_kv_cache(model):
-        report = convert(model, config, calibration_data=calibration_data)
+    state = await_staging(run, streamed=not in_memory)
+    with running_on(run):
+        report = _convert_into(files, dtype or files.default_dtype(), config, data, state, None, in_memory,
+                               allow_missing, None)
     run.barrier("rank 0 writing the output")
     return report
 
@@ -225,8 +237,9 @@ def compress_checkpoint(
             place. Each flag is True or False (TypeError otherwise).
         process_group: as for ``convert`` (None: the default group when ``torch.distributed`` is
             initialised, e.g. under ``torchrun``): every process converts its share of the batches
-            (``in_memory=True`` only, so far) and rank 0 alone writes ``output_dir``, the others
-            waiting for it at a barrier.
+            (streamed: each reads the blocks itself and keeps its batches' hidden states in the
+            staging directory, which every process must see, for ``resume`` on any number of
+            processes) and rank 0 alone writes ``output_dir``, the others waiting for it at a barrier.
         distill: None, or a callable ``(model, teacher, directory)`` run after the conversion and
             before the model is saved, e.g. one calling :func:`~panther_lite.distill`: the
             checkpoint is then loaded whole and a copy of it kept as ``teacher`` (the original),
@@ -259,7 +272,20 @@ def compress_checkpoint(
     if run is not None:
         check_compress_across(run, in_memory, distill, resume)
         if run.rank != 0:
-            return _convert_elsewhere(run, model_dir, config, calibration_data, dtype, allow_missing_weights)
+            return _convert_elsewhere(run, model_dir, config, data, dtype, in_memory, allow_missing_weights)
+    with announcing(run, streamed=not in_memory) as announcement:  # across processes: the others hear how it went
+        report = _compress_first(run, announcement, model_dir, output_dir, config, data, resume, distill, dtype,
+                                 overwrite, in_memory, allow_missing_weights)
+    if run is not None:
+        run.barrier("rank 0 writing the output")
+    return report
+
+
+def _compress_first(
+    run, announcement, model_dir, output_dir, config: ConvertConfig, data: CalibrationData, resume: bool,
+    distill: Optional[Distiller], dtype, overwrite: bool, in_memory: bool, allow_missing_weights: bool,
+) -> "pd.DataFrame":
+    """:func:`compress_checkpoint` in one process, or on rank 0 (which alone writes the output)."""
     for name, path in (("model_dir", model_dir), ("output_dir", output_dir)):
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(path).__name__}")
@@ -272,9 +298,10 @@ def compress_checkpoint(
     try:
         with running_on(run), staged_directory(Path(output_dir), overwrite, {"MODEL_DIR": Path(model_dir)}, resume) as staging:
             state = RunState(staging.path, fingerprint)
+            shared = announcement.ready(state)  # across processes: the state every rank sees
             try:
                 with writing(staging.path):
-                    report = _convert_into(files, dtype, config, data, state, staging.path, in_memory,
+                    report = _convert_into(files, dtype, config, data, shared, staging.path, in_memory,
                                            allow_missing_weights, distill)
             except BaseException:
                 staging.keep = state.holds_work
@@ -284,8 +311,6 @@ def compress_checkpoint(
         if state is not None:
             state.close()
     shutil.rmtree(Path(os.path.realpath(output_dir)) / RESUME_DIRECTORY, ignore_errors=True)
-    if run is not None:
-        run.barrier("rank 0 writing the output")
     return report
 
 

@@ -15,6 +15,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scenario import batches, tiny_llama  # noqa: E402
 
 
+def _die_at_barrier(named: str) -> None:
+    """This rank exits abruptly (no cleanup) when it reaches the barrier whose name holds ``named``."""
+    from panther_lite.conversion.process_groups.group import ProcessGroupRun
+
+    original = ProcessGroupRun.barrier
+
+    def dying(self, what):
+        if named in what:
+            os._exit(3)
+        return original(self, what)
+
+    ProcessGroupRun.barrier = dying
+
+
 def _die_at_second_exchange() -> None:
     """This rank exits abruptly (no cleanup) when it reaches its second exchange of statistics."""
     from panther_lite.conversion.process_groups.group import ProcessGroupRun
@@ -62,7 +76,10 @@ def main() -> None:
     dist.init_process_group(backend, timeout=timeout)
     rank = dist.get_rank()
     if os.environ.get("TEST_DIE_RANK") == str(rank):
-        _die_at_second_exchange()
+        if os.environ.get("TEST_DIE_AT"):
+            _die_at_barrier(os.environ["TEST_DIE_AT"])
+        else:
+            _die_at_second_exchange()
     mode = options.pop("mode", "convert")
     if mode == "convert":
         import panther_lite
