@@ -16,13 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
-from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
 from ...extras import require
 from ...nn.validation import check_bool
 from ...version import __version__
-from ..calibration.batches import CalibrationData
+from ..calibration.batches import CalibrationData, add_to_digest
 from ..config import ConvertConfig
 from ..process_groups.group import running_on
 from ..process_groups.run import check_compress_across, resolve_run
@@ -61,17 +59,10 @@ def _options_record(config: ConvertConfig, own: dict) -> dict:
 
 
 def _data_digest(source) -> str:
-    """sha256 of the calibration batches (each tensor's dtype, shape and bytes; other values' repr)."""
+    """sha256 of the calibration batches (:func:`~panther_lite.conversion.calibration.batches.add_to_digest`)."""
     digest = hashlib.sha256()
-    batches = [source] if source is None or callable(source) else source
-    for batch in batches:
-        for leaf in tree_flatten(batch)[0]:
-            if isinstance(leaf, Tensor):
-                data = leaf.detach().cpu().contiguous()
-                digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
-                digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-            else:
-                digest.update(repr(getattr(leaf, "__qualname__", leaf)).encode())
+    for batch in [source] if source is None or callable(source) else source:
+        add_to_digest(digest, batch)
     return digest.hexdigest()
 
 
