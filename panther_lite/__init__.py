@@ -22,6 +22,8 @@ from .conversion import (
     random_token_batches,
     register_kind,
     save_pretrained,
+    teacher_outputs,
+    TeacherOutputs,
     tune,
 )
 from .conversion.saving.hf_registration import install_transformers_plugin
@@ -42,6 +44,8 @@ __all__ = [
     "register_kind",
     "densify",
     "distill",
+    "teacher_outputs",
+    "TeacherOutputs",
     "freeze",
     "tune",
     "plot_search",

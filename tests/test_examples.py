@@ -10,6 +10,7 @@ MODULES = [
     "panther_lite.conversion.workflows.convert", "panther_lite.conversion.workflows.tune",
     "panther_lite.conversion.workflows.compress", "panther_lite.conversion.config",
     "panther_lite.conversion.distilling.config", "panther_lite.conversion.distilling.distillation",
+    "panther_lite.conversion.distilling.objective", "panther_lite.conversion.distilling.teacher_cache",
     "panther_lite.conversion.deploy.freezing", "panther_lite.conversion.saving.loading",
     "panther_lite.conversion.kinds.registry", "panther_lite.conversion.kinds.strategy",
     "panther_lite.conversion.fitting.layer", "panther_lite.conversion.progress", "panther_lite.cli.config_options",

@@ -2,7 +2,7 @@
 :func:`panther_lite.compress_checkpoint` (out of core: block by block, never the whole model in
 memory), calibrated on a text file, into an output directory (model, tokenizer, report CSV and
 plot) written all at once; ``--resume`` continues a run that was stopped; ``--distill`` trains
-the result against the original (:mod:`.distilling`; the model is then loaded whole)."""
+the result against the original's outputs, cached before the conversion (:mod:`.distilling`)."""
 from __future__ import annotations
 
 import argparse
@@ -134,7 +134,7 @@ def add_compress_command(subparsers) -> None:
                       help=f"append N sequences of {RANDOM_TOKEN_LENGTH} random vocabulary tokens: a data-free prior "
                            "over the vocabulary that keeps quality on text unlike the calibration file (256 is plenty); "
                            f"with --distill, the distillation adds N of its own ({DISTILL_RANDOM_TOKEN_LENGTH} tokens each, "
-                           "drawn afresh every pass)")
+                           "drawn once and cached with the original's outputs)")
     data.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                       help="dtype the model is loaded and converted in (default: the checkpoint's)")
     sizes = command.add_argument_group("sizes, allocation and fits (panther_lite.ConvertConfig's fields)")
@@ -298,7 +298,7 @@ def run_compress(args: argparse.Namespace) -> int:
                 args.model_dir, args.output, calibration_data=batches, config=config, resume=args.resume,
                 dtype=DTYPES.get(args.dtype), overwrite=args.overwrite, in_memory=args.in_memory,
                 allow_missing_weights=args.allow_missing_weights,
-                distill=distiller(args, text, tokenizer, say),
+                distill=distiller(args, text, tokenizer, DTYPES.get(args.dtype), say),
             )
         except BaseException:
             if kept.is_dir() and not earlier:

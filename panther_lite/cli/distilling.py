@@ -1,19 +1,22 @@
 """The ``compress`` command's ``--distill`` step: the converted model trained against the
-original (:func:`panther_lite.distill`), with its options and ``distillation.csv``.
+original's outputs (:func:`panther_lite.distill`), with its options and ``distillation.csv``.
 
-The original model is the teacher, so with ``--distill`` the command holds two models: the
-checkpoint is loaded whole (not streamed) and a copy of it taken before the conversion (and
-only then), kept until the distillation ends, then released.
+The original's outputs on the calibration text (its top ``--distill-top-k`` log-probabilities per
+token) are cached before the conversion, streamed from MODEL_DIR block by block
+(:func:`panther_lite.teacher_outputs`); the conversion then streams as without ``--distill``,
+and the compressed model alone is loaded and trained against the cache, so the command never
+holds the original whole, nor two models.
 """
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Callable, List, Optional
 
 import torch.nn as nn
 
-from ..conversion import DistillConfig, distill
+from ..conversion import DistillConfig, TeacherOutputs, distill, teacher_outputs
 from ..conversion.distilling import DistillationResult
 from ..conversion.pipelines.blocks import without_kv_cache
 from .arguments import positive_float, positive_int
@@ -27,17 +30,18 @@ DISTILLATION_CSV = "distillation.csv"
 
 DISTILL_OPTIONS = (
     Option("max_steps", positive_int, aliases=("--distill-steps",)), Option("lr", positive_float),
+    Option("top_k", positive_int),
 )
 
 
 def add_distill_options(command: argparse.ArgumentParser) -> None:
     """``--distill`` and the :class:`~panther_lite.DistillConfig` fields it offers
-    (``--distill-max-steps``, ``--distill-lr``) in their own group."""
+    (``--distill-max-steps``, ``--distill-lr``, ``--distill-top-k``) in their own group."""
     group = command.add_argument_group("distillation against the original (panther_lite.distill, DistillConfig's fields)")
     group.add_argument("--distill", action="store_true",
                        help="after the conversion, train the converted model's factors and biases to reproduce the "
-                            "original model's outputs on the calibration batches (holds both models in memory); "
-                            f"writes {DISTILLATION_CSV}")
+                            "original model's outputs on the calibration batches (cached first, streamed from "
+                            f"MODEL_DIR: the original is never whole in memory); writes {DISTILLATION_CSV}")
     add_config_options(group, DistillConfig, DISTILL_OPTIONS, prefix="distill-")
 
 
@@ -46,27 +50,32 @@ def check_distill_options(args: argparse.Namespace) -> dict:
     without ``--distill``)."""
     settings = config_overrides(args, DISTILL_OPTIONS, prefix="distill-")
     if settings and not args.distill:
-        raise CommandError("--distill-max-steps and --distill-lr set the distillation: add --distill")
+        raise CommandError("--distill-max-steps, --distill-lr and --distill-top-k set the distillation: add --distill")
     return settings
 
 
-def distiller(args: argparse.Namespace, batches: List[dict], tokenizer, say) -> Optional[Callable]:
-    """With ``--distill``, :func:`~panther_lite.compress_checkpoint`'s ``distill`` step (which
-    keeps a copy of the loaded model as the teacher): :func:`run_distill` on the text
-    ``batches``; else None (no second model)."""
+def distiller(args: argparse.Namespace, batches: List[dict], tokenizer, dtype, say) -> Optional[Callable]:
+    """With ``--distill``, :func:`~panther_lite.compress_checkpoint`'s ``distill`` step: the
+    original's outputs on the text ``batches`` (and ``--random-tokens N`` random-token sequences of
+    ``distill``'s length, drawn once) cached now, streamed from MODEL_DIR in ``dtype``, and
+    :func:`run_distill` against them; else None."""
     if not args.distill:
         return None
-    return lambda model, teacher, directory: run_distill(model, teacher, batches, tokenizer, args, directory, say)
-
-
-def run_distill(model: nn.Module, teacher: nn.Module, batches: List[dict], tokenizer, args: argparse.Namespace,
-                staging: Path, say) -> DistillationResult:
-    """``distill(model, teacher, batches)`` with the options (``--random-tokens N``: N random-token
-    sequences of ``distill``'s length, drawn afresh for each pass), the key/value caches off; writes its
-    history (``step, train_loss, held_loss``) to ``staging/distillation.csv``."""
     random = {"tokenizer": tokenizer, "random_tokens": args.random_tokens} if args.random_tokens else {}
-    with without_kv_cache(model), without_kv_cache(teacher):
-        result = distill(model, teacher, batches, progress=not args.quiet, **random, **check_distill_options(args))
+    config = DistillConfig(progress=not args.quiet, **random, **check_distill_options(args))
+    started = time.perf_counter()
+    cached = teacher_outputs(args.model_dir, batches, config, dtype=dtype)
+    say(f"cached the original's outputs on {len(cached)} batches ({cached.nbytes / 2**20:.1f} MiB, top "
+        f"{config.top_k} log-probabilities per token) in {time.perf_counter() - started:.1f} s")
+    return lambda model, directory: run_distill(model, cached, batches, config, directory, say)
+
+
+def run_distill(model: nn.Module, cached: TeacherOutputs, batches: List[dict], config: DistillConfig, staging: Path,
+                say) -> DistillationResult:
+    """``distill(model, cached, batches, config)`` with the key/value cache off; writes its history
+    (``step, train_loss, held_loss``) to ``staging/distillation.csv``."""
+    with without_kv_cache(model):
+        result = distill(model, cached, batches, config)
     result.history_frame().to_csv(staging / DISTILLATION_CSV, index=False)
     say(f"distilled {result.steps} steps ({result.stop_reason}; kept step {result.best_step}): held-back loss "
         f"{result.loss_before:.4g} -> {result.loss_after:.4g} in {result.seconds:.1f} s")

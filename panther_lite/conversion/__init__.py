@@ -14,13 +14,14 @@ layout so its ``state_dict`` loads into a fresh copy of the dense model; :func:`
 / :func:`from_pretrained` save and rebuild a converted model with its config; :func:`freeze`
 (``deploy``) turns sketched layers into standard ones for deployment;
 :func:`random_token_batches` adds a data-free prior over a language model's vocabulary to its
-calibration batches; :func:`distill` (``distilling``) trains a converted model against the original.
+calibration batches; :func:`distill` (``distilling``) trains a converted model against the original, or against its outputs
+cached once by :func:`teacher_outputs`.
 """
 from ..figures import plot_search
 from .calibration.random_tokens import random_token_batches
 from .config import ConvertConfig, RefineConfig
 from .deploy.freezing import freeze
-from .distilling import DistillConfig, DistillationResult, distill
+from .distilling import DistillConfig, DistillationResult, TeacherOutputs, distill, teacher_outputs
 from .kinds import (
     FrozenConv1d, FrozenConv2d, FrozenConv3d, FrozenExperts, FrozenLinear, LayerKind, LinearKind, register_kind,
 )
@@ -60,4 +61,6 @@ __all__ = [
     "distill",
     "DistillConfig",
     "DistillationResult",
+    "teacher_outputs",
+    "TeacherOutputs",
 ]

@@ -27,7 +27,7 @@ from panther_lite.cli import main  # noqa: E402
 from panther_lite.conversion.pipelines import out_of_core  # noqa: E402
 from panther_lite.conversion.workflows import compress as compress_library  # noqa: E402
 from panther_lite.cli.checkpoint import calibration_batches, read_samples  # noqa: E402
-from panther_lite.conversion.saving.checkpoint_files import auto_class_for  # noqa: E402
+from panther_lite.conversion.saving.checkpoint_files import CheckpointFiles, auto_class_for  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,45 +116,52 @@ def test_refine_writes_each_blocks_errors_beside_the_model(checkpoints, text_fil
     assert any(isinstance(module, SKLinear) for module in reloaded.modules())
 
 
-def test_distill_trains_the_converted_model_against_the_original_as_distill_does(
+def test_distill_trains_the_streamed_conversion_against_the_cached_original_as_distill_does(
     checkpoints, text_file, tmp_path, capsys, monkeypatch
 ):
-    copies = []
-    monkeypatch.setattr(compress_library, "copy", type("Copy", (), {"deepcopy": staticmethod(
-        lambda model: copies.append(type(model).__name__) or __import__("copy").deepcopy(model))}))
+    whole = []
+    real_load_whole = CheckpointFiles.load_whole
+    monkeypatch.setattr(CheckpointFiles, "load_whole", lambda self, *a: whole.append(self) or real_load_whole(self, *a))
     output = tmp_path / "out"
     loud = RATIO_ARGS[:-1]  # the step messages
     assert main(_argv(checkpoints["llama"], text_file, output, *loud, "--distill", "--distill-steps", "4")) == 0
-    assert copies == ["LlamaForCausalLM"]  # the original, copied once before the conversion
-    assert "distilled 4 steps (max_steps; kept step" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert whole == []  # the original is never loaded whole: cached streamed, converted streamed
+    assert "cached the original's outputs on 3 batches" in err and "(out of core:" in err
+    assert "distilled 4 steps (max_steps; kept step" in err
     history = pd.read_csv(output / "distillation.csv")
     assert list(history.columns) == ["step", "train_loss", "held_loss"] and history["step"].iloc[-1] == 4
     assert history["held_loss"].min() < history["held_loss"].iloc[0]
 
     teacher = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoints["llama"])).eval()
     expected, batches, _ = _converted_in_process(checkpoints["llama"], text_file, param_ratio=0.5, decomposition="exact")
-    result = panther_lite.distill(expected, teacher, batches, max_steps=4, progress=False)
-    assert history["held_loss"].tolist() == pytest.approx([h for _, _, h in result.history], rel=1e-6)
+    cached = panther_lite.teacher_outputs(teacher, batches, progress=False)  # top 64: the whole vocabulary here
+    result = panther_lite.distill(expected, cached, batches, max_steps=4, progress=False)
+    assert history["held_loss"].tolist() == pytest.approx([h for _, _, h in result.history], rel=1e-5)
     reloaded = panther_lite.from_pretrained(transformers.AutoModelForCausalLM, output).eval()
+    assert {"config.json", "model.safetensors", "tokenizer.json", "report.csv"} <= {p.name for p in output.iterdir()}
     with torch.no_grad():
         for batch in batches:
-            torch.testing.assert_close(reloaded(**batch).logits, expected(**batch).logits, rtol=1e-5, atol=1e-5)
-    copies.clear()
-    assert main(_argv(checkpoints["llama"], text_file, tmp_path / "plain", *RATIO_ARGS)) == 0
-    assert copies == [] and not (tmp_path / "plain" / "distillation.csv").exists()  # no teacher held without it
+            torch.testing.assert_close(reloaded(**batch).logits, expected(**batch).logits, rtol=1e-4, atol=1e-5)
+    assert _leftovers(tmp_path, output) == []
 
 
-def test_distill_draws_its_own_random_tokens_beside_the_text_batches(checkpoints, text_file, tmp_path, monkeypatch):
+def test_distill_caches_its_own_random_tokens_and_top_k_beside_the_text_batches(
+    checkpoints, text_file, tmp_path, monkeypatch
+):
     seen = {}
     real_distill = distilling_module.distill
-    monkeypatch.setattr(distilling_module, "distill", lambda model, teacher, data, **kw: seen.update(data=data, **kw)
-                        or real_distill(model, teacher, data, **kw))
-    argv = _argv(checkpoints["bert"], text_file, tmp_path / "out", *RATIO_ARGS, "--random-tokens", "12",
-                 "--distill", "--distill-steps", "2", "--distill-lr", "0.01")
+    monkeypatch.setattr(distilling_module, "distill", lambda model, cached, data, config: seen.update(
+        data=data, cached=cached, config=config) or real_distill(model, cached, data, config))
+    argv = _argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS, "--random-tokens", "12",
+                 "--distill", "--distill-steps", "2", "--distill-lr", "0.01", "--distill-top-k", "8")
     assert main(argv) == 0
     assert sum(batch["input_ids"].shape[0] for batch in seen["data"]) == len(read_samples(text_file, 128))
-    assert seen["random_tokens"] == 12 and seen["tokenizer"] is not None
-    assert (seen["max_steps"], seen["lr"]) == (2, 0.01)
+    config, cached = seen["config"], seen["cached"]
+    assert config.random_tokens == 12 and config.tokenizer is not None
+    assert (config.max_steps, config.lr, config.top_k) == (2, 0.01, 8)
+    assert len(cached.random_batches) == 1 and cached.random_batches[0]["input_ids"].shape[0] == 12
+    assert all(target.indices.shape[-1] == 8 for target in cached.targets)
 
 
 def _spy(monkeypatch, calls: list, stop: bool = False):

@@ -1,6 +1,6 @@
 """Calibration data: its accepted forms (an iterable of batches or a callable ``fn(model)``),
 checked once; running one batch through a model; the eval, no-grad run every stage uses; and
-the input a layer's call receives."""
+the input a layer's call receives; a batch's digest (its contents hashed)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,9 +10,13 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from torch.utils._pytree import tree_flatten
+
 from .tokens import MaskedCall, batch_token_mask, token_mask
 
-__all__ = ["CalibrationData", "ModelRun", "run_batch", "run_batch_or_callable", "evaluation_run", "layer_input"]
+__all__ = [
+    "CalibrationData", "ModelRun", "add_to_digest", "run_batch", "run_batch_or_callable", "evaluation_run", "layer_input",
+]
 
 ModelRun = Callable[[nn.Module], object]
 
@@ -21,6 +25,18 @@ def layer_input(args: tuple, kwargs: dict) -> Tensor:
     """The input of a call to a stock linear/convolution forward (a forward pre-hook's
     ``args``/``kwargs``): the positional argument or the ``input=`` keyword."""
     return args[0] if args else kwargs["input"]
+
+
+def add_to_digest(digest, batch) -> None:
+    """Feed ``batch`` to ``digest`` (a ``hashlib`` object): each tensor's dtype, shape and bytes,
+    other values' repr (a function's qualified name), in the batch's order."""
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, Tensor):
+            data = leaf.detach().cpu().contiguous()
+            digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
+            digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        else:
+            digest.update(repr(getattr(leaf, "__qualname__", leaf)).encode())
 
 
 def run_batch(model: nn.Module, batch, index: Optional[int] = None) -> object:

@@ -48,6 +48,10 @@ class DistillConfig:
             ``attention_mask`` in a dict batch, outputs shaped ``(batch, tokens, …)`` are
             compared at the real tokens only, reduced to ``(real tokens, …)``.
         temperature: ``T`` of the ``"kl"`` loss.
+        top_k: the logits kept per real token when the teacher's outputs are cached
+            (:func:`~panther_lite.teacher_outputs`; a live teacher ignores it): the ``k`` most
+            likely tokens' log-probabilities and the mass of the others, ``8·k + 4`` bytes a token
+            instead of the whole vocabulary's ``4·vocab``.
         tokenizer: the model's tokenizer, needed with ``random_tokens``.
         random_tokens: how many sequences of ``random_token_length`` random ordinary tokens
             (:func:`~panther_lite.conversion.calibration.random_tokens.random_token_batches` with
@@ -78,6 +82,7 @@ class DistillConfig:
     outputs: Any = None
     loss: Any = "auto"
     temperature: float = 1.0
+    top_k: int = 64
     tokenizer: Any = None
     random_tokens: int = 0
     random_token_length: int = RANDOM_TOKEN_LENGTH
@@ -98,6 +103,7 @@ class DistillConfig:
         set_field("outputs", check_outputs(self.outputs))
         set_field("loss", check_loss(self.loss))
         set_field("temperature", check_temperature(self.temperature))
+        set_field("top_k", check_positive_int("top_k", self.top_k))
         set_field("random_tokens", check_int("random_tokens", self.random_tokens, minimum=0))
         set_field("random_token_length", check_positive_int("random_token_length", self.random_token_length))
         if self.random_tokens and self.tokenizer is None:

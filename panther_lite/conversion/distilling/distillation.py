@@ -13,6 +13,9 @@ trains, :mod:`~panther_lite.conversion.fitting.master_weights`), a copy of the t
 parameters (the best so far), their gradients and Adam's two moments, and one batch's
 activations of both models (the student's kept for the backward). Time: each step is one teacher forward and one student
 forward and backward on one batch; each evaluation is both forwards on every held-back batch.
+With the teacher's outputs cached (:func:`~panther_lite.teacher_outputs`, passed as ``teacher``)
+the teacher is not in memory and never runs: the cache (``8·k + 4`` bytes per real token for
+top-``k`` logits) replaces it, and each step is the student's forward and backward alone.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -33,7 +36,8 @@ from ..fitting.master_weights import HALF_DTYPES, in_float32
 from ..fitting.refinement import best_kept
 from .config import RANDOM_TOKEN_LENGTH, TRAINABLE, DistillConfig
 from .objective import Objective
-from .run import RandomTokens, Run, Session, data_batches, optimise, warmup_steps
+from .run import RandomTokens, Run, Session, data_batches, device_of, live_targets, on_device, optimise, warmup_steps
+from .teacher_cache import TeacherOutputs
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -77,9 +81,11 @@ class DistillationResult:
 
 
 def _check_models(model, teacher) -> None:
-    for name, module in (("model", model), ("teacher", teacher)):
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"distill: {name} must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"distill: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(teacher, (nn.Module, TeacherOutputs)):
+        raise TypeError(f"distill: teacher must be an nn.Module or the TeacherOutputs of teacher_outputs, "
+                        f"got {type(teacher).__name__}")
     if model is teacher:
         raise ValueError(
             "distill: model and teacher are the same module; pass the converted model and the original "
@@ -105,10 +111,12 @@ def trained_parameters(model: nn.Module, train: Sequence[str]) -> List[nn.Parame
     return list(chosen.values())
 
 
-def _checked_parameters(model: nn.Module, teacher: nn.Module, train: Tuple[str, ...]) -> List[nn.Parameter]:
+def _checked_parameters(model: nn.Module, teacher, train: Tuple[str, ...]) -> List[nn.Parameter]:
     parameters = trained_parameters(model, train)
     if not parameters:
         raise ValueError(f"distill: train={train} selects no parameter of model")
+    if isinstance(teacher, TeacherOutputs):
+        return parameters
     teachers = {id(tensor) for tensor in itertools.chain(teacher.parameters(), teacher.buffers())}
     widened = [t for t in itertools.chain(model.parameters(), model.buffers()) if t.dtype in HALF_DTYPES]
     if any(id(tensor) in teachers for tensor in itertools.chain(parameters, widened)):
@@ -119,19 +127,32 @@ def _checked_parameters(model: nn.Module, teacher: nn.Module, train: Tuple[str, 
     return parameters
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    tensor = next(iter(model.parameters()), None)
-    return torch.device("cpu") if tensor is None else tensor.device
+def _session(model: nn.Module, teacher, data, settings: DistillConfig, objective: Objective) -> Session:
+    """The batches and what they are compared with: ``teacher`` run live (the training random-token
+    batches drawn afresh each pass), or its cached outputs (checked against ``data``; their random-token
+    batches kept for every pass)."""
+    batches, device = data_batches(data), device_of(model)
+    if isinstance(teacher, TeacherOutputs):
+        teacher.check(settings, batches)
+        batches += [on_device(batch, device) for batch in teacher.random_batches]
+        random = RandomTokens(None, 0, settings.random_token_length, settings.seed, device)
+        return Session(model, teacher.target, batches, random, settings.holdout, objective)
+    random = RandomTokens(settings.tokenizer, settings.random_tokens, settings.random_token_length, settings.seed, device)
+    return Session(model, live_targets(teacher, objective), batches, random, settings.holdout, objective)
 
 
-def distill(model: nn.Module, teacher: nn.Module, data, config: Optional[DistillConfig] = None, **overrides) -> DistillationResult:
+def distill(model: nn.Module, teacher: Union[nn.Module, TeacherOutputs], data, config: Optional[DistillConfig] = None, **overrides) -> DistillationResult:
     """Train ``model`` (converted, in place) to reproduce ``teacher``'s outputs (the original
     model, never modified); early stopping on held-back batches keeps the best parameters.
 
     Args:
         model: the converted model (the student); holds at least one sketched layer.
         teacher: the original model (run in eval mode under ``no_grad``; its parameters,
-            buffers, modes and flags are left as they were).
+            buffers, modes and flags are left as they were), or its outputs on ``data`` cached
+            by :func:`~panther_lite.teacher_outputs` with the same ``outputs``, ``loss`` and
+            ``temperature`` (a top-``k`` cache of logits: the ``"kl"`` loss over the ``k``
+            tokens and one bucket for the rest, :func:`~.objective.top_k_kl`); its
+            random-token batches join ``data`` (``random_tokens`` here: 0 or the number cached).
         data: an iterable of batches as ``convert``'s ``calibration_data`` takes them
             (Tensor → ``model(b)``, tuple → ``model(*b)``, dict → ``model(**b)``); each runs
             through both models. A share ``holdout`` of them (with the random-token batches),
@@ -172,7 +193,7 @@ def distill(model: nn.Module, teacher: nn.Module, data, config: Optional[Distill
         TypeError / ValueError naming the argument, before anything is changed:
         ``model is teacher``, no sketched layer in ``model``, tensors the teacher shares that
         training would change (the trained ones; in half precision, any), empty or
-        single-batch ``data``, a bad batch, outputs that differ in shape or are not
+        single-batch ``data``, a bad batch, ``data`` or settings other than a cache's, outputs that differ in shape or are not
         floating-point tensors, a non-finite loss before training, and
         settings out of range (``lr <= 0``, ``holdout`` outside (0, 1), ...).
     """
@@ -181,9 +202,7 @@ def distill(model: nn.Module, teacher: nn.Module, data, config: Optional[Distill
     _check_models(model, teacher)
     objective = Objective(settings.outputs, settings.loss, settings.temperature)
     parameters = _checked_parameters(model, teacher, settings.train)
-    random = RandomTokens(settings.tokenizer, settings.random_tokens, settings.random_token_length, settings.seed,
-                          _device_of(model))
-    session = Session(model, teacher, data_batches(data), random, settings.holdout, objective)
+    session = _session(model, teacher, data, settings, objective)
     with only_these_train(model, parameters), best_kept(parameters) as best, in_float32(model) as widened:
         session.widen = widened
         with evaluation_run(model):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable, Mapping, Optional, Tuple, Union
+from typing import Callable, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +28,8 @@ from torch import Tensor
 from ..calibration.tokens import batch_token_mask
 
 __all__ = [
-    "LOSSES", "Objective", "check_loss", "check_outputs", "check_temperature", "real_tokens", "relative_squared_error",
-    "select_output", "softened_kl",
+    "LOSSES", "Objective", "TopKLogProbs", "at_real_tokens", "check_loss", "check_outputs", "check_temperature",
+    "real_tokens", "relative_squared_error", "select_output", "softened_kl", "top_k_kl", "top_k_log_probs",
 ]
 
 LOSSES = ("auto", "mse", "kl")
@@ -127,6 +127,12 @@ def real_tokens(batch, selected: Tensor) -> Optional[Tensor]:
     return mask.to(selected.device)
 
 
+def at_real_tokens(batch, selected: Tensor) -> Tensor:
+    """``selected`` at the batch's real tokens (:func:`real_tokens`; all of it without a mask)."""
+    mask = real_tokens(batch, selected)
+    return selected if mask is None else selected[mask]
+
+
 def _widened(tensor: Tensor) -> Tensor:
     """At least float32 (the loss of a half-precision model is summed in float32)."""
     return tensor if tensor.dtype == torch.float64 else tensor.float()
@@ -150,26 +156,93 @@ def softened_kl(student: Tensor, teacher: Tensor, temperature: float) -> Tensor:
     return F.kl_div(student, teacher, log_target=True, reduction="batchmean") * temperature**2
 
 
+class TopKLogProbs(NamedTuple):
+    """A teacher's distribution over the last dimension (the vocabulary), kept as its ``k`` most
+    likely entries per row: ``log_probs`` (rows, k), ``log_softmax(t/T)`` there (the softmax
+    taken over the whole vocabulary); ``indices`` (rows, k), int32, where they lie; ``tail``
+    (rows,), the log of the mass left, ``log(1 − Σ exp(log_probs))``, or None when ``k`` is the
+    whole vocabulary (nothing is left)."""
+
+    log_probs: Tensor
+    indices: Tensor
+    tail: Optional[Tensor]
+
+
+def top_k_log_probs(rows: Tensor, k: int, temperature: float) -> TopKLogProbs:
+    """The :class:`TopKLogProbs` of the logits ``rows`` (rows, vocabulary) at temperature ``T``
+    (``k`` above the vocabulary: all of it), in at least float32; the tail is the log-sum-exp of
+    the log-probabilities left out, so it is exact however small.
+
+    Examples:
+        >>> kept = top_k_log_probs(torch.tensor([[2.0, 1.0, 0.0, -1.0]]), 2, temperature=1.0)
+        >>> kept.indices.tolist(), round(float(kept.tail.exp() + kept.log_probs.exp().sum()), 6)
+        ([[0, 1]], 1.0)
+    """
+    log_probs = F.log_softmax(_widened(rows) / temperature, dim=-1)
+    k = min(k, rows.shape[-1])
+    values, indices = log_probs.topk(k, dim=-1)
+    tail = None if k == rows.shape[-1] else log_probs.scatter(-1, indices, -math.inf).logsumexp(-1)
+    return TopKLogProbs(values, indices.to(torch.int32), tail)
+
+
+def top_k_kl(student: Tensor, teacher: TopKLogProbs, temperature: float) -> Tensor:
+    """``T² · KL(teacher ‖ student)`` over the ``k + 1`` buckets of ``teacher`` (its ``k`` tokens
+    and the tail holding the rest), averaged over the rows: the student's logits ``student``
+    (rows, vocabulary) give ``log_softmax(s/T)`` at the same ``k`` tokens and, as its tail, the
+    log-sum-exp of the others. With ``k`` the whole vocabulary it is :func:`softened_kl`.
+
+    Examples:
+        >>> s, t = torch.randn(3, 10, dtype=torch.float64), torch.randn(3, 10, dtype=torch.float64)
+        >>> full = top_k_kl(s, top_k_log_probs(t, 10, 2.0), 2.0)
+        >>> bool(torch.isclose(full, softened_kl(s, t, 2.0), rtol=1e-12))
+        True
+    """
+    if student.shape[0] == 0:
+        return student.sum()
+    scaled = _widened(student) / temperature
+    normaliser = scaled.logsumexp(-1, keepdim=True)
+    indices = teacher.indices.to(student.device, torch.int64)
+    kept = teacher.log_probs.to(scaled)
+    divergence = (kept.exp() * (kept - (scaled.gather(-1, indices) - normaliser))).sum(-1)
+    if teacher.tail is not None:
+        tail = teacher.tail.to(scaled)
+        student_tail = scaled.scatter(-1, indices, -math.inf).logsumexp(-1) - normaliser.squeeze(-1)
+        # a teacher tail of no mass (its other logits -inf) adds 0, not 0·inf
+        divergence = divergence + torch.where(tail > -math.inf, tail.exp() * (tail - student_tail), 0.0)
+    return divergence.sum() / student.shape[0] * temperature**2
+
+
 class Objective:
-    """``objective(batch, student_output, teacher_output)``: the loss of one batch, a scalar
-    tensor with a graph to the student's parameters. ``kind`` is the loss used
-    (``"mse"``, ``"kl"`` or ``"callable"``), known after the first call under ``"auto"``."""
+    """``objective(batch, student_output, target)``: the loss of one batch, a scalar tensor with
+    a graph to the student's parameters, against ``target``, the teacher's selected output
+    (:meth:`target`) or its cached :class:`TopKLogProbs` at the batch's real tokens. ``kind`` is
+    the loss used (``"mse"``, ``"kl"`` or ``"callable"``), known after the first call under ``"auto"``."""
 
     def __init__(self, outputs: OutputSelector, loss, temperature: float) -> None:
         self.outputs, self.loss, self.temperature = outputs, loss, temperature
         self.kind = "callable" if callable(loss) else None if loss == "auto" else loss
 
-    def __call__(self, batch, student_output, teacher_output) -> Tensor:
+    def target(self, teacher_output) -> Tensor:
+        """The teacher's output that is compared, detached."""
+        return select_output(teacher_output, self.outputs, "teacher")[0].detach()
+
+    def __call__(self, batch, student_output, target: Union[Tensor, TopKLogProbs]) -> Tensor:
         student, name = select_output(student_output, self.outputs, "model")
-        teacher = select_output(teacher_output, self.outputs, "teacher")[0].detach()
-        if student.shape != teacher.shape:
+        if isinstance(target, TopKLogProbs):
+            self.kind = self.kind or "kl"
+            rows = at_real_tokens(batch, student).reshape(-1, student.shape[-1])
+            if rows.shape[0] != target.indices.shape[0]:
+                raise ValueError(f"distill: the batch has {rows.shape[0]} real tokens and the teacher's cached "
+                                 f"outputs {target.indices.shape[0]}; pass the batches teacher_outputs ran")
+            return top_k_kl(rows, target, self.temperature)
+        if student.shape != target.shape:
             raise ValueError(
-                f"distill: the model's output {tuple(student.shape)} and the teacher's {tuple(teacher.shape)} differ "
+                f"distill: the model's output {tuple(student.shape)} and the teacher's {tuple(target.shape)} differ "
                 f"in shape (outputs={self.outputs!r}); compare outputs of the same shape (pass outputs=)"
             )
         if self.kind is None:
             self.kind = "kl" if name == "logits" else "mse"
-        teacher = teacher.to(student.device)
+        teacher = target.to(student.device)
         mask = real_tokens(batch, student)
         if mask is not None:
             student, teacher = student[mask], teacher[mask]

@@ -19,7 +19,10 @@ from ..fitting.refinement import held_back_indices
 from ..progress import progress_bar
 from .config import DistillConfig
 
-__all__ = ["RandomTokens", "Run", "Session", "data_batches", "optimise", "warmup_steps"]
+__all__ = [
+    "RandomTokens", "Run", "Session", "Targets", "data_batches", "device_of", "live_targets", "on_device", "optimise",
+    "warmup_steps",
+]
 
 def data_batches(data) -> list:
     """``data``'s batches as a list (TypeError naming a bad one)."""
@@ -37,6 +40,17 @@ def data_batches(data) -> list:
     return batches
 
 
+def device_of(model) -> torch.device:
+    """The device of ``model``'s first parameter (the CPU without any)."""
+    tensor = next(iter(model.parameters()), None)
+    return torch.device("cpu") if tensor is None else tensor.device
+
+
+def on_device(batch: Mapping, device: torch.device) -> dict:
+    """A dict batch's tensors on ``device``."""
+    return {key: value.to(device) for key, value in batch.items()}
+
+
 class RandomTokens:
     """``draw(p)``: ``count`` random-token sequences of ``length`` tokens (seed ``seed + p``)
     in batches of 32 on ``device``."""
@@ -48,18 +62,33 @@ class RandomTokens:
         if not self.count:
             return []
         batches = random_token_batches(self.tokenizer, self.count, self.length, seed=self.seed + draw)
-        return [{key: value.to(self.device) for key, value in batch.items()} for batch in batches]
+        return [on_device(batch, self.device) for batch in batches]
+
+
+Targets = Callable[[int, object], object]
+"""``targets(index, batch)``: what the objective compares the student's output on batch
+``index`` with (:func:`live_targets`, or a cache's :meth:`~.teacher_cache.TeacherOutputs.target`)."""
+
+
+def live_targets(teacher, objective) -> Targets:
+    """The teacher run on each batch (eval mode, no grad) for its compared output."""
+    def target(index: int, batch):
+        with evaluation_run(teacher):
+            return objective.target(run_batch(teacher, batch, index))
+
+    return target
 
 
 class Session:
-    """The student, the teacher, the batches and how they are compared: ``data``'s batches
-    and then the random-token ones; ``held`` / ``train``: the indices of the held-back and
-    training batches, spread evenly over them all; ``widen``: the student is held in float32
-    (:func:`~panther_lite.conversion.fitting.master_weights.in_float32`), so its batches'
-    half-precision tensors are widened (the teacher's are not)."""
+    """The student, the teacher's outputs (``targets``), the batches and how they are compared:
+    ``data``'s batches and then the random-token ones; ``held`` / ``train``: the indices of the
+    held-back and training batches, spread evenly over them all; ``widen``: the student is held
+    in float32 (:func:`~panther_lite.conversion.fitting.master_weights.in_float32`), so its
+    batches' half-precision tensors are widened (the teacher's are not)."""
 
-    def __init__(self, model, teacher, data: list, random_tokens: RandomTokens, holdout: float, objective) -> None:
-        self.model, self.teacher, self.objective, self.random_tokens = model, teacher, objective, random_tokens
+    def __init__(self, model, targets: Targets, data: list, random_tokens: RandomTokens, holdout: float,
+                 objective) -> None:
+        self.model, self.targets, self.objective, self.random_tokens = model, targets, objective, random_tokens
         self.widen = False
         self.first_random, self.batches = len(data), data + random_tokens.draw(0)
         if len(self.batches) < 2:
@@ -71,10 +100,9 @@ class Session:
         self.train = [index for index in range(len(self.batches)) if index not in self.held]
 
     def loss(self, index: int) -> Tensor:
-        """The loss of batch ``index``: the teacher in eval mode without grad, the student as it is."""
+        """The loss of batch ``index``: the teacher's target first, then the student as it is."""
         batch = self.batches[index]
-        with evaluation_run(self.teacher):
-            target = run_batch(self.teacher, batch, index)
+        target = self.targets(index, batch)
         output = run_batch(self.model, widened(batch) if self.widen else batch, index)
         return self.objective(batch, output, target)
 

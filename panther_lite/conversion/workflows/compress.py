@@ -4,7 +4,6 @@ ever loading the model whole (the out-of-core pipeline,
 from which a killed run resumes; a model that cannot be streamed is loaded whole, saying why."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import json
@@ -16,13 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
-from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
 from ...extras import require
 from ...nn.validation import check_bool
 from ...version import __version__
-from ..calibration.batches import CalibrationData
+from ..calibration.batches import CalibrationData, add_to_digest
 from ..config import ConvertConfig
 from ..process_groups.group import running_on
 from ..process_groups.run import check_compress_across, distributed_conversion, resolve_run
@@ -33,6 +30,7 @@ from ..pipelines.out_of_core import choose_out_of_core
 from .convert import convert, run_pipeline
 from .setup import conversion_job, conversion_options
 from ..saving.checkpoint_files import CheckpointFiles
+from ..saving.loading import from_pretrained
 from ..saving.pretrained import save_pretrained, save_transformers_config
 from ..saving.resume_state import RESUME_DIRECTORY, RunState, filter_fingerprint
 from ..saving.serialization import conversion_config
@@ -46,10 +44,12 @@ if TYPE_CHECKING:
 __all__ = ["compress_checkpoint", "REPORT_CSV", "REPORT_PNG", "REFINEMENT_CSV"]
 
 REPORT_CSV, REPORT_PNG, REFINEMENT_CSV = "report.csv", "report.png", "refinement.csv"
+_CONVERTED = "converted"  # with distill: the converted checkpoint, in the resume directory until distilled
 _COPIED = ("generation_config.json",)
-Distiller = Callable[[torch.nn.Module, torch.nn.Module, Path], object]
-"""``distill(model, teacher, directory)``: trains the converted ``model`` against ``teacher``
-(the original), may write files into ``directory`` (the output, staged)."""  # files of MODEL_DIR the model's own save_pretrained writes too
+Distiller = Callable[[torch.nn.Module, Path], object]
+"""``distill(model, directory)``: trains the converted ``model`` (against the original's outputs,
+cached before the conversion: :func:`~panther_lite.teacher_outputs`), may write files into
+``directory`` (the output, staged)."""  # files of MODEL_DIR the model's own save_pretrained writes too
 
 
 def _options_record(config: ConvertConfig, own: dict) -> dict:
@@ -62,17 +62,10 @@ def _options_record(config: ConvertConfig, own: dict) -> dict:
 
 
 def _data_digest(source) -> str:
-    """sha256 of the calibration batches (each tensor's dtype, shape and bytes; other values' repr)."""
+    """sha256 of the calibration batches (:func:`~panther_lite.conversion.calibration.batches.add_to_digest`)."""
     digest = hashlib.sha256()
-    batches = [source] if source is None or callable(source) else source
-    for batch in batches:
-        for leaf in tree_flatten(batch)[0]:
-            if isinstance(leaf, Tensor):
-                data = leaf.detach().cpu().contiguous()
-                digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
-                digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-            else:
-                digest.update(repr(getattr(leaf, "__qualname__", leaf)).encode())
+    for batch in [source] if source is None or callable(source) else source:
+        add_to_digest(digest, batch)
     return digest.hexdigest()
 
 
@@ -119,44 +112,48 @@ def _convert_whole(
     files: CheckpointFiles, dtype: torch.dtype, config: ConvertConfig, data: CalibrationData, directory: Path,
     why: str, distill: Optional[Distiller], allow_missing: bool,
 ) -> "pd.DataFrame":
-    """The checkpoint loaded whole, converted (then distilled against a copy of the original) and saved;
-    tensors it lacks are an error unless ``allow_missing`` (then ``attrs["random_weights"]`` names them)."""
+    """The checkpoint loaded whole, converted (then distilled) and saved; tensors it lacks are an
+    error unless ``allow_missing`` (then ``attrs["random_weights"]`` names them)."""
     model, random = files.load_whole(dtype, allow_missing)
     if random and directory is not None:
         warnings.warn(f"compress_checkpoint: MODEL_DIR lacks {len(random)} tensor(s), initialised at random "
                       f"(allow_missing_weights=True): {', '.join(random[:5])}", UserWarning, stacklevel=4)
-    teacher = None if distill is None else copy.deepcopy(model)  # a second model only when distilling
     with without_kv_cache(model):
         report = convert(model, config, calibration_data=data.source)
     report.attrs["pipeline"] += f" (the model loaded whole: {why})"
     report.attrs["random_weights"] = random
     if distill is not None:
-        distill(model, teacher, directory)
-        del teacher
+        distill(model, directory)
     if directory is not None:
         save_pretrained(model, directory)
     return report
+
+
+def _distill_written(files: CheckpointFiles, dtype: torch.dtype, converted: Path, directory: Path,
+                     distill: Distiller) -> None:
+    """The converted checkpoint written in ``converted`` loaded (at its own, compressed size),
+    trained by ``distill`` and saved into ``directory``."""
+    model = from_pretrained(files.auto_class, converted, dtype=dtype)
+    distill(model, directory)
+    save_pretrained(model, directory)
 
 
 def _convert_into(
     files: CheckpointFiles, dtype: torch.dtype, config: ConvertConfig, data: CalibrationData, state: RunState,
     directory: Optional[Path], in_memory: bool, allow_missing: bool, distill: Optional[Distiller],
 ) -> "pd.DataFrame":
-    """Convert the checkpoint into ``directory``: streamed when it can be, else loaded whole.
-    Across processes each rank streams its own batches; ``directory`` is None on the ranks other
-    than 0, which write nothing."""
+    """Convert the checkpoint into ``directory``: streamed when it can be (with ``distill``, into the
+    resume directory, then loaded, distilled and saved), else loaded whole. Across processes each
+    rank streams its own batches; ``directory`` is None on the ranks other than 0, which write nothing."""
     model = files.skeleton(dtype)
     with distributed_conversion(None, config, data) as shard:  # this rank's batches (all of them in one process)
         job = conversion_job(model, config, shard, meta_loaded_later=True)
-        if in_memory or distill is not None:
-            pipeline, why = None, "in_memory=True" if in_memory else "distill trains the whole model against the original"
-        else:
-            pipeline, why = choose_out_of_core(job, files, state)
+        pipeline, why = (None, "in_memory=True") if in_memory else choose_out_of_core(job, files, state)
         if pipeline is not None:
             with without_kv_cache(model):
                 report, _ = run_pipeline(job, pipeline)
     if pipeline is None:
-        if not in_memory and distill is None and directory is not None:
+        if not in_memory and directory is not None:
             warnings.warn(f"compress_checkpoint: loading {str(files.directory)!r} whole: {why}", UserWarning, stacklevel=3)
         report = _convert_whole(files, dtype, config, data, directory, why, distill, allow_missing)
     if directory is None:
@@ -164,8 +161,12 @@ def _convert_into(
     if pipeline is not None:
         count = len(pipeline.block_list.blocks)
         parts = [state.part_path("outside"), *(state.part_path(f"block-{index:05d}") for index in range(count))]
-        finalize_shards(parts, directory)
-        save_transformers_config(model, directory, conversion_config(model))
+        converted = directory if distill is None else state.scratch(_CONVERTED)
+        converted.mkdir(exist_ok=True)
+        finalize_shards(parts, converted)
+        save_transformers_config(model, converted, conversion_config(model))
+        if distill is not None:
+            _distill_written(files, dtype, converted, directory, distill)
     _copy_side_files(files, directory)
     _write_reports(report, directory, Path(os.path.abspath(files.directory)).name)
     return report
@@ -240,10 +241,16 @@ def compress_checkpoint(
             (streamed: each reads the blocks itself and keeps its batches' hidden states in the
             staging directory, which every process must see, for ``resume`` on any number of
             processes) and rank 0 alone writes ``output_dir``, the others waiting for it at a barrier.
-        distill: None, or a callable ``(model, teacher, directory)`` run after the conversion and
-            before the model is saved, e.g. one calling :func:`~panther_lite.distill`: the
-            checkpoint is then loaded whole and a copy of it kept as ``teacher`` (the original),
-            so both models are in memory; ``directory`` is the staged output.
+        distill: None, or a callable ``(model, directory)`` run after the conversion and before
+            the model is saved, e.g. one calling :func:`~panther_lite.distill` against the
+            original's outputs cached beforehand, streamed from ``model_dir``
+            (:func:`~panther_lite.teacher_outputs`), so the original is never in memory with it;
+            ``directory`` is the staged output. The conversion streams as without it and writes
+            its checkpoint into the resume directory, which is then loaded (at the compressed
+            size, :func:`~panther_lite.from_pretrained`), trained and saved into the output:
+            memory holds the compressed model and its training state, never the original
+            whole. A run stopped while distilling resumes (``resume=True``) after the last
+            block converted: the distillation alone runs again, from the converted model.
 
     Examples:
         >>> import tempfile, torch, transformers, panther_lite
@@ -266,7 +273,7 @@ def compress_checkpoint(
                                                   ("in_memory", in_memory), ("allow_missing_weights", allow_missing_weights))
     )
     if distill is not None and not callable(distill):
-        raise TypeError(f"distill must be None or a callable (model, teacher, directory), got {type(distill).__name__}")
+        raise TypeError(f"distill must be None or a callable (model, directory), got {type(distill).__name__}")
     config, data = conversion_options(config, options, calibration_data, caller="compress_checkpoint")
     run = resolve_run(process_group)
     if run is not None:
@@ -291,7 +298,8 @@ def _compress_first(
             raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(path).__name__}")
     files = CheckpointFiles(Path(model_dir))
     dtype = dtype or files.default_dtype()
-    own = {"dtype": str(dtype), "overwrite": overwrite, "in_memory": in_memory, "allow_missing_weights": allow_missing_weights}
+    own = {"dtype": str(dtype), "overwrite": overwrite, "in_memory": in_memory, "allow_missing_weights": allow_missing_weights,
+           "distill": distill is not None}
     fingerprint = _fingerprint(files, config, data, own)
     _check_resumable_filter(config, output_dir, resume)
     state = None

@@ -24,6 +24,7 @@ pytest.importorskip("safetensors")
 import panther_lite  # noqa: E402
 from panther_lite.conversion.pipelines import out_of_core  # noqa: E402
 from panther_lite.conversion.pipelines.skeleton_parts import SkeletonParts  # noqa: E402
+from panther_lite.conversion.saving.checkpoint_files import CheckpointFiles  # noqa: E402
 from panther_lite.conversion.saving.resume_state import RunState  # noqa: E402
 from panther_lite.nn import SKLinear  # noqa: E402
 
@@ -323,24 +324,60 @@ def test_options_are_checked_before_anything_is_read_or_written(saved, tmp_path)
     assert os.listdir(tmp_path) == []
 
 
-def test_distill_loads_the_model_whole_and_gets_the_original_as_teacher(saved, tmp_path):
-    """``distill=`` runs on the converted model with an untouched copy of the original, before
-    the model is written; the checkpoint is loaded whole (it trains end to end), silently."""
-    seen = {}
-
-    def step(model, teacher, directory):
-        seen.update(sketched=any(isinstance(m, SKLinear) for m in model.modules()),
-                    teacher_dense=not any(isinstance(m, SKLinear) for m in teacher.modules()),
-                    staged=directory.name.startswith("."))
+def _distill_step(seen: dict, fail: bool = False):
+    """A ``distill=`` step recording what it gets and moving one factor by 1 (or failing)."""
+    def step(model, directory):
+        if fail:
+            raise KeyboardInterrupt
+        layer = next(m for m in model.modules() if isinstance(m, SKLinear))
+        dense = [name for name, m in model.named_modules() if type(m) is torch.nn.Linear and name != "lm_head"]
+        seen.update(sketched=True, staged=directory.name.startswith("."), dense=dense)
+        with torch.no_grad():
+            layer.S1.add_(1.0)
         (directory / "step.txt").write_text("ran")
 
+    return step
+
+
+def test_distill_streams_the_conversion_then_trains_the_reloaded_compressed_model(saved, tmp_path, monkeypatch):
+    """``distill=`` gets the converted model loaded back from the streamed conversion (at its compressed
+    size: never the original whole, no copy of it) before the model is written; its changes are saved."""
+    whole, seen = [], {}
+    real_load_whole = CheckpointFiles.load_whole
+    monkeypatch.setattr(CheckpointFiles, "load_whole", lambda self, *a: whole.append(1) or real_load_whole(self, *a))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "loading whole" warning: the caller asked for it
+        warnings.simplefilter("error")  # no "loading whole" warning: nothing is
         report = panther_lite.compress_checkpoint(saved["llama"], tmp_path / "out", calibration_data=_batches(),
-                                                  param_ratio=0.5, distill=step, progress=False)
-    assert seen == dict(sketched=True, teacher_dense=True, staged=True)
-    assert "loaded whole: distill" in report.attrs["pipeline"]
+                                                  param_ratio=0.5, distill=_distill_step(seen), progress=False)
+    assert whole == [] and report.attrs["pipeline"].startswith("out of core")
+    assert seen["sketched"] and seen["staged"] and seen["dense"] == []
     assert (tmp_path / "out" / "step.txt").read_text() == "ran"
+    plain = panther_lite.compress_checkpoint(saved["llama"], tmp_path / "plain", calibration_data=_batches(),
+                                             param_ratio=0.5, progress=False)
+    distilled = panther_lite.from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "out")
+    converted = panther_lite.from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "plain")
+    assert plain.attrs["summary"] == report.attrs["summary"]
+    changed = {name for name, value in distilled.state_dict().items()
+               if not torch.equal(value, converted.state_dict()[name])}
+    assert len(changed) == 1 and changed.pop().endswith(".S1")  # the step's change, saved; nothing else
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == ["model.safetensors"]
+    assert not (tmp_path / "out" / ".panther_lite_resume").exists()
+
+
+def test_a_run_stopped_while_distilling_resumes_with_the_distillation_alone(saved, tmp_path):
+    output, seen = tmp_path / "out", {}
+    options = dict(calibration_data=_batches(), param_ratio=0.5, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        panther_lite.compress_checkpoint(saved["llama"], output, distill=_distill_step(seen, fail=True), **options)
+    assert not output.exists()
+    with pytest.raises(ValueError, match="distill"):  # the record says the stopped run distilled
+        panther_lite.compress_checkpoint(saved["llama"], output, resume=True, **options)
+    panther_lite.compress_checkpoint(saved["llama"], output, resume=True, distill=_distill_step(seen), **options)
+    assert seen["sketched"] and (output / "step.txt").read_text() == "ran"
+    expected = _distill_step({})
+    model, _ = _in_memory(saved["llama"], _batches(), param_ratio=0.5)
+    expected(model, tmp_path)
+    assert _relative_logit_error(saved["llama"], output, model, _batches()) <= 1e-4
 
 
 @pytest.mark.cuda
