@@ -10,6 +10,7 @@ from typing import List, Optional
 from ..version import __version__
 from .checkpoint import CommandError
 from .compress import add_compress_command
+from .recipes import expand_recipe
 from .signals import TERMINATED, Terminated, sigterm_raises
 
 __all__ = ["main", "build_parser", "CommandError"]
@@ -42,12 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run a command (``argv`` without the program name; None: ``sys.argv[1:]``) and return
-    its exit status: 0 on success, 1 with one line on stderr for bad input or a failed
+    its exit status (a ``--recipe`` expanded into its options first): 0 on success, 1 with one line on stderr for bad input or a failed
     conversion, 2 for bad options (argparse's usage message), 130 on Ctrl-C, 143 on SIGTERM
     (both clean up as a failure does)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(expand_recipe(sys.argv[1:] if argv is None else argv))
     except SystemExit as exit_request:  # --help, or argparse rejected an option
         return exit_request.code if isinstance(exit_request.code, int) else 2
     try:

@@ -29,6 +29,7 @@ from ..nn.low_rank_fit import FIT_METHODS
 from .arguments import DTYPES, positive_float, positive_int
 from .config_options import Option, add_config_options, config_overrides
 from .checkpoint import CommandError, calibration_batches, check_model_dir, load_tokenizer, read_samples
+from .recipes import RECIPES, add_recipe_option
 from .distilling import add_distill_options, check_distill_options, distiller
 from .evaluation import Evaluation, add_evaluation_options
 from .torchrun import across_processes, add_distributed_arguments, first_process, several_processes
@@ -126,6 +127,7 @@ def add_compress_command(subparsers) -> None:
                          help="convert a checkpoint lacking some weights its config needs, those initialised at "
                               "random (listed in a warning; by default an error naming them)")
     command.add_argument("--quiet", "-q", action="store_true", help="no progress bars or step messages")
+    add_recipe_option(command)
     data = command.add_argument_group("calibration batches")
     data.add_argument("--max-samples", type=positive_int, default=128, help="lines used (default 128)")
     data.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sample at most (default 256)")
@@ -258,6 +260,9 @@ def _calibration(args: argparse.Namespace, tokenizer, files: CheckpointFiles, sa
     extra = f" and {args.random_tokens} random-token sequences" if args.random_tokens else ""
     say(f"compressing {type(skeleton).__name__} ({files.auto_class.__name__}) from {args.model_dir}; calibrating "
         f"on {len(samples)} samples{extra} ({tokens:,} tokens) in {len(batches)} batches")
+    if files.auto_class.__name__ == "AutoModelForCausalLM" and args.recipe is None:
+        say(f"a causal language model: --recipe causal-lm ({' '.join(RECIPES['causal-lm'])}) is the recipe "
+            "measured for these (docs/evaluation.rst)")
     return text, batches
 
 

@@ -1,0 +1,51 @@
+"""``compress --recipe NAME``: the preset's options as if typed first, every explicit option winning."""
+import pytest
+
+from panther_lite.cli import build_parser, main
+from panther_lite.cli.recipes import RECIPES, expand_recipe
+
+BASE = ["compress", "model", "-o", "out", "--calibration", "text.txt"]
+
+
+def _parsed(argv):
+    namespace = vars(build_parser().parse_args(expand_recipe(argv)))
+    namespace.pop("run"), namespace.pop("recipe", None)
+    return namespace
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_recipe_parses_as_its_options_typed_out(name):
+    assert _parsed([*BASE, "--recipe", name]) == _parsed([*BASE, *RECIPES[name]])
+    assert _parsed([*BASE, f"--recipe={name}"]) == _parsed([*BASE, *RECIPES[name]])
+    assert build_parser().parse_args(expand_recipe([*BASE, "--recipe", name])).recipe == name
+
+
+def test_explicit_options_win_before_and_after_the_recipe():
+    after = _parsed([*BASE, "--recipe", "causal-lm", "--random-tokens", "64", "--allocation", "uniform"])
+    before = _parsed([*BASE, "--random-tokens", "64", "--allocation", "uniform", "--recipe", "causal-lm"])
+    assert after == before
+    assert after["random_tokens"] == 64 and after["allocation"] == "uniform"
+    assert after["sensitivity"] == "kl"  # the rest of the recipe stays
+
+
+def test_without_a_recipe_nothing_changes_and_an_unknown_one_is_refused_with_the_choices(capsys):
+    assert expand_recipe(BASE) == BASE
+    assert expand_recipe([*BASE, "--", "--recipe", "causal-lm"]) == [*BASE, "--", "--recipe", "causal-lm"]
+    assert main([*BASE, "--recipe", "causal_lm"]) == 2
+    assert "causal-lm" in capsys.readouterr().err
+
+
+def test_the_command_recommends_the_recipe_for_a_causal_lm_and_runs_it(checkpoints, text_file, tmp_path, capsys):
+    """Without ``--recipe`` a causal LM's run names the recipe; with it, the recipe runs (here with a
+    short distillation, every step of it exercised) and no hint is printed; an encoder gets none."""
+    argv = ["compress", str(checkpoints["llama"]), "--calibration", str(text_file), "--param-ratio", "0.8"]
+    assert main([*argv, "-o", str(tmp_path / "plain")]) == 0
+    assert "--recipe causal-lm" in capsys.readouterr().err
+    assert main([*argv, "-o", str(tmp_path / "recipe"), "--recipe", "causal-lm", "--random-tokens", "8",
+                 "--distill-max-steps", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "--recipe causal-lm (" not in err and "distilled 2 steps" in err
+    assert (tmp_path / "recipe" / "distillation.csv").is_file()
+    bert = ["compress", str(checkpoints["bert"]), "--calibration", str(text_file), "--param-ratio", "0.8"]
+    assert main([*bert, "-o", str(tmp_path / "bert")]) == 0
+    assert "--recipe" not in capsys.readouterr().err
