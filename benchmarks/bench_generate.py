@@ -3,8 +3,10 @@
 A TinyLlama-shaped LLaMA (hidden 2048, FFN 5632, 32 heads / 4 kv heads, vocab 32000; ``--layers``
 blocks, 8 by default to fit a shared machine) in ``--dtype``; the compressed copy has every linear
 layer of the blocks sketched at ``param_ratio`` (the size ``convert`` picks, ``num_terms=1``) with
-**random factors**: speed does not depend on the values, so nothing is fitted. Measured, dense
-and compressed alternating, after one warm-up of each:
+**random factors**: speed does not depend on the values, so nothing is fitted. It runs twice: with
+its factors row-major (``compressed``, the default) and in the decode layout (``decode layout``,
+:func:`panther_lite.nn.use_decode_layout`). Measured, the three models alternating, after one
+warm-up of each:
 
 - ``decode``: seconds per generated token at batch 1, greedy ``model.generate`` of ``--new-tokens``
   tokens after a 32-token prompt, minus the same with 1 new token (so the prefill drops out);
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 from pathlib import Path
@@ -31,13 +34,13 @@ import torch
 
 from panther_lite.benchmark import device_name, new_figure, ratio_layout, save_figure
 from panther_lite.conversion.saving.serialization import apply_conversion_config
-from panther_lite.nn import SKLinear
+from panther_lite.nn import SKLinear, use_decode_layout
 
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)
 
 
 def models(layers: int, dtype: torch.dtype, param_ratio: float):
-    """(dense, compressed) TinyLlama-shaped models in eval mode."""
+    """(dense, compressed, compressed in the decode layout) TinyLlama-shaped models in eval mode."""
     import transformers
 
     config = transformers.LlamaConfig(**SHAPE, num_hidden_layers=layers, tie_word_embeddings=False)
@@ -45,7 +48,7 @@ def models(layers: int, dtype: torch.dtype, param_ratio: float):
     dense = transformers.LlamaForCausalLM(config).to(dtype).eval()
     compressed = copy.deepcopy(dense)
     apply_conversion_config(compressed, ratio_layout(compressed.model.layers, param_ratio, prefix="model.layers"))
-    return dense, compressed.eval()
+    return dense, compressed.eval(), use_decode_layout(copy.deepcopy(compressed)).eval()
 
 
 def stored_bytes(model) -> int:
@@ -98,10 +101,10 @@ def _plot(df: pd.DataFrame, ratios: dict, path: Path, title: str) -> None:
     for ax, measure_name in zip(axes, ("decode", "prefill")):
         rows = df[df["measure"] == measure_name]
         errors = [rows["median_s"] - rows["min_s"], rows["max_s"] - rows["median_s"]]
-        ax.bar(rows["model"], rows["median_s"], yerr=errors, capsize=4, color=["tab:gray", "tab:blue"])
-        speedup = rows["median_s"].iloc[0] / rows["median_s"].iloc[1]
+        ax.bar(rows["model"], rows["median_s"], yerr=errors, capsize=4, color=["tab:gray", "tab:blue", "tab:green"])
+        speedups = " / ".join(f"{value:.2f}x" for value in rows["speedup"].iloc[1:])
         unit = "s / token" if measure_name == "decode" else "s / prompt"
-        ax.set(ylabel=unit, title=f"{measure_name}: {speedup:.2f}x (target {0.8 * ratios[measure_name]:.2f}x)")
+        ax.set(ylabel=unit, title=f"{measure_name}: {speedups} (target {0.8 * ratios[measure_name]:.2f}x)")
     fig.suptitle(title, fontsize=9)
     save_figure(fig, path)
 
@@ -119,8 +122,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dense, compressed = models(args.layers, getattr(torch, args.dtype), args.param_ratio)
-    pair = {"dense": dense, "compressed": compressed}
+    load_before = os.getloadavg()[0]
+    dense, compressed, decode = models(args.layers, getattr(torch, args.dtype), args.param_ratio)
+    pair = {"dense": dense, "compressed": compressed, "decode layout": decode}
     runs = {name: [] for name in pair}
     for repeat in range(args.repeats + 1):  # the first round warms up
         for name, model in pair.items():
@@ -133,15 +137,17 @@ def main(argv=None) -> None:
     df = pd.DataFrame([_summary(runs[name], name, m) for m in ("decode", "prefill") for name in pair])
     for measure_name, ratio in ratios.items():
         rows = df["measure"] == measure_name
-        speedup = df[rows & (df["model"] == "dense")]["median_s"].iloc[0] / df[rows & (df["model"] == "compressed")]["median_s"].iloc[0]
-        df.loc[rows, "speedup"], df.loc[rows, "ratio"], df.loc[rows, "target"] = speedup, ratio, 0.8 * ratio
+        dense_s = df[rows & (df["model"] == "dense")]["median_s"].iloc[0]
+        df.loc[rows, "speedup"] = dense_s / df.loc[rows, "median_s"]
+        df.loc[rows, "ratio"], df.loc[rows, "target"] = ratio, 0.8 * ratio
     df["layers"], df["dtype"], df["prompt"], df["new_tokens"] = args.layers, args.dtype, args.prompt, args.new_tokens
-    df["machine"] = device_name("cpu")
+    df["machine"] = f"{device_name('cpu')}, {os.cpu_count()} cores"
+    df["load"] = f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}"  # 1-minute load average, start -> end
     args.output_dir.mkdir(parents=True, exist_ok=True)
     df.to_csv(args.output_dir / "generate.csv", index=False)
     print(df.to_string(), flush=True)
     title = (f"TinyLlama shape, {args.layers} layers, {args.dtype}, param_ratio {args.param_ratio}: "
-             f"{df['machine'][0]}")
+             f"{df['machine'][0]}, load {df['load'][0]}")
     _plot(df, ratios, args.output_dir / "generate.png", title)
 
 

@@ -33,6 +33,7 @@ from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import Tensor
 
 from .nn import SKLinear
+from .nn.factor_layout import use_decode_layout, uses_decode_layout
 
 __all__ = ["SKLinearLora", "sketched_lora", "grow_by_low_rank", "cut_to_low_rank"]
 
@@ -84,12 +85,14 @@ def cut_to_low_rank(layer: SKLinear, low_rank: int) -> None:
 
 
 def _set_factors(layer: SKLinear, factors: Tuple[Tensor, Tensor, Tensor, Tensor], low_rank: int) -> None:
+    decode = uses_decode_layout(layer)
     s1, u1, u2, s2 = factors
     layer.S1 = nn.Parameter(s1, requires_grad=layer.S1.requires_grad)
     layer.S2 = nn.Parameter(s2, requires_grad=layer.S2.requires_grad)
     layer.U1, layer.U2 = u1, u2
     layer.low_rank = low_rank
     layer._drop_weight_cache()
+    use_decode_layout(layer, decode)  # the new factors in the layer's layout
 
 
 class SKLinearLora(LoraLinear):

@@ -1,4 +1,5 @@
 """Sketched layers (linear, conv, mixture-of-experts), their operators and tensor-core-aligned rank selection."""
+from .factor_layout import use_decode_layout
 from .functional import clear_factor_cache, sketched_linear
 from .layer_base import SketchedLayer
 from .rank_selection import SketchSize, align_rank, dense_size, select_config, sketch_size, tensor_core_multiple
@@ -18,6 +19,7 @@ __all__ = [
     "conv_sketch_size",
     "sketched_linear",
     "clear_factor_cache",
+    "use_decode_layout",
     "SketchSize",
     "align_rank",
     "dense_size",

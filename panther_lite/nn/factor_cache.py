@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from . import change_detection
+from .factor_layout import LEFT, RIGHT, concatenated_factors
 
 __all__ = ["clear_factor_cache", "concatenate_factors", "stacked_factors"]
 
@@ -50,10 +51,11 @@ def _signature(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> 
 
 
 def concatenate_factors(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
-    """``([S1 | U2], scale·[U1; S2])``, uncached and detached. The factors may carry leading
-    (stack) dimensions: ``S1`` ``(*, in, R)`` gives ``left`` ``(*, in, 2R)`` and ``right`` ``(*, 2R, out)``."""
+    """``([S1 | U2], scale·[U1; S2])``, uncached and detached, stored as the factors are
+    (:mod:`~panther_lite.nn.factor_layout`). The factors may carry leading (stack) dimensions:
+    ``S1`` ``(*, in, R)`` gives ``left`` ``(*, in, 2R)`` and ``right`` ``(*, 2R, out)``."""
     with torch.no_grad():
-        return torch.cat((S1, U2), dim=-1), torch.cat((U1, S2), dim=-2).mul_(scale)
+        return concatenated_factors(S1, U2, LEFT), concatenated_factors(U1, S2, RIGHT).mul_(scale)
 
 
 def stacked_factors(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> Tuple[Tensor, Tensor]:

@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from ..sketch.dense import sign_matrix
+from .factor_layout import LEFT, RIGHT, contiguous_factors_hook, use_decode_layout, uses_decode_layout
 from .layer_base import SketchedLayer
 from .low_rank_fit import sketch_factors_from_weight
 from .validation import check_positive_int, check_sketch_fits_a_tensor
@@ -37,9 +38,14 @@ class LinearFactorsLayer(SketchedLayer):
     trainable ``S1`` ``(*, in, Lk)`` and ``S2`` ``(*, Lk, out)``, fixed sketch buffers ``U1``
     ``(*, Lk, out)`` and ``U2`` ``(*, in, Lk)``, and a bias ``(*, out)``. Each ``(out, in)``
     matrix is fitted by :func:`~panther_lite.nn.low_rank_fit.sketch_factors_from_weight`
-    (``init="svd"``) or :func:`sign_sketch_factors` (``init="sketch"``)."""
+    (``init="svd"``) or :func:`sign_sketch_factors` (``init="sketch"``).
+
+    The factors are row-major unless :func:`~panther_lite.nn.factor_layout.use_decode_layout`
+    re-laid them for fast decoding (kept after ``.to()``, with the dtype's rule); ``state_dict``
+    gives them contiguous, so saved files do not depend on the layout."""
 
     _factor_names = ("S1", "U1", "U2", "S2")
+    _factor_sides = {"S1": LEFT, "U1": RIGHT, "U2": LEFT, "S2": RIGHT}
     _trainable_names = ("S1", "S2")
     _fan_in_name = "in_features"
 
@@ -65,10 +71,20 @@ class LinearFactorsLayer(SketchedLayer):
         self.S2 = nn.Parameter(torch.empty(*leading, rank, out_features, **factory_kwargs))
         self.register_buffer("U1", torch.empty(*leading, rank, out_features, **factory_kwargs))
         self.register_buffer("U2", torch.empty(*leading, in_features, rank, **factory_kwargs))
+        self.register_state_dict_post_hook(contiguous_factors_hook)
         if bias:
             self.bias = nn.Parameter(torch.empty(*leading, out_features, **factory_kwargs))
         else:
             self.register_parameter("bias", None)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``Module._apply`` (``.to()``, ``.half()``, ...); a layer in the decode layout then
+        applies the new dtype's rule to its right factors (in place; a no-op if unchanged)."""
+        decode = uses_decode_layout(self)
+        super()._apply(fn, recurse)
+        if decode:
+            use_decode_layout(self)
+        return self
 
     @property
     def fan_in(self) -> int:
