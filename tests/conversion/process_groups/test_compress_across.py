@@ -114,3 +114,41 @@ def test_a_one_process_run_resumes_on_two_processes(tmp_path, monkeypatch):
     for rank, (code, err) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
     _assert_same_output(tmp_path / "alone", out)
+
+
+def test_four_processes_stream_the_one_process_checkpoint(tmp_path):
+    source = tmp_path / "source"
+    tiny_llama().save_pretrained(source)
+    _alone(source, tmp_path / "alone", param_ratio=0.5)
+    results = launch(4, dict(mode="compress", source=str(source), param_ratio=0.5), tmp_path / "across")
+    for rank, (code, err) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    _assert_same_output(tmp_path / "alone", tmp_path / "across")
+
+
+def _save_under_the_model_names(model, directory: Path) -> None:
+    """``model``'s checkpoint with its own tensor names (transformers writes Mixtral's experts in
+    the legacy per-expert layout, which only loading the model whole reads); a tied tensor once."""
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(directory)
+    tensors, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            tensors[name] = tensor.contiguous()
+    safetensors.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("options", [
+    dict(param_ratio=0.5),
+    dict(param_ratio=0.5, allocation="global", sequential=True),
+], ids=["uniform", "global-sequential"])
+def test_two_processes_stream_a_mixture_of_experts_checkpoint(options, tmp_path):
+    source = tmp_path / "source"
+    _save_under_the_model_names(tiny_llama("mixtral"), source)
+    report = _alone(source, tmp_path / "alone", **options)
+    assert report.attrs["pipeline"].startswith("out of core")
+    results = launch(2, dict(mode="compress", source=str(source), **options), tmp_path / "across")
+    for rank, (code, err) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    _assert_same_output(tmp_path / "alone", tmp_path / "across")
