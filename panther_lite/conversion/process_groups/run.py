@@ -75,14 +75,6 @@ def _check_data(data: CalibrationData, run: ProcessGroupRun, held_back: bool) ->
             )
 
 
-def _check_options(config) -> None:
-    if config.refine is not None:
-        raise NotImplementedError(
-            "convert across processes: refine (block refinement) is not distributed yet; pass refine=False or run "
-            "in one process"
-        )
-
-
 @contextlib.contextmanager
 def distributed_conversion(process_group, config, data: CalibrationData) -> Iterator[CalibrationData]:
     """The calibration data this rank runs (all of it in one process) while the process group is
@@ -91,7 +83,6 @@ def distributed_conversion(process_group, config, data: CalibrationData) -> Iter
     if run is None:
         yield data
         return
-    _check_options(config)
     if data.given:
         _check_data(data, run, config.held_back)
         data = CalibrationData(ShardedBatches(data.source, run.rank, run.world))
