@@ -1,6 +1,7 @@
 """``convert`` across processes (gloo on the CPU, ranks started by ``launch.py``): the model two
 processes give equals one process's within float64 summation-order rounding, for uniform,
-global and sequential fits; options not distributed yet raise naming themselves."""
+global and sequential fits; ``tune`` decides on process 0's score; options not distributed yet
+raise naming themselves."""
 from __future__ import annotations
 
 import sys
@@ -45,7 +46,6 @@ def test_options_not_distributed_yet_are_refused_naming_them(tmp_path):
     assert found["callable"].startswith("NotImplementedError") and "callable" in found["callable"]
     assert found["odd batches"].startswith("ValueError") and "shrinkage='auto'" in found["odd batches"]
     assert found["one batch"].startswith("ValueError") and "fewer than the processes" in found["one batch"]
-    assert found["tune"].startswith("NotImplementedError") and "tune" in found["tune"]
 
 
 def test_four_processes_give_the_one_process_model(tmp_path):
@@ -68,3 +68,17 @@ def test_nccl_with_one_gpu_per_rank(tmp_path):
 def test_an_explicit_process_group(tmp_path):
     options = dict(param_ratio=0.5, allocation="global")
     assert_same(one_process(options), across(2, {**options, "explicit_group": True}, tmp_path))
+
+
+def test_tune_across_processes_decides_on_the_first_process_score(tmp_path):
+    import panther_lite
+    from scenario import batches, logits_score, tiny_llama
+
+    options = dict(tolerance=0.005, max_evaluations=3, ratio_range=[0.1, 1.0], sensitivity="norm")
+    model = tiny_llama()
+    report = panther_lite.tune(model, logits_score(model), calibration_data=batches(), progress=False, **options)
+    passed = report.attrs["search"]["passed"].tolist()
+    assert False in passed[1:] and True in passed[1:]  # a budget failed, another passed
+    got = across(2, dict(mode="tune", **options), tmp_path)  # process 1's evaluate returns -1e9: unused
+    assert got["search"] == report.attrs["search"]["budget"].tolist()
+    assert_same((model.state_dict(), report["calibration_rows"].fillna(-1).astype(int).tolist(), None), got)

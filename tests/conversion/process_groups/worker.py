@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scenario import batches, tiny_llama  # noqa: E402
+from scenario import batches, logits_score, tiny_llama  # noqa: E402
 
 
 def _die_at_barrier(named: str) -> None:
@@ -53,7 +53,6 @@ def _refusals() -> dict:
                                                  param_ratio=0.5),
         "odd batches": lambda: panther_lite.convert(tiny_llama(), calibration_data=batches(4, size=3), param_ratio=0.5),
         "one batch": lambda: panther_lite.convert(tiny_llama(), calibration_data=batches(1), param_ratio=0.5),
-        "tune": lambda: panther_lite.tune(tiny_llama(), lambda m: 0.0, tolerance=0.1, calibration_data=batches()),
     }
     found = {}
     for name, case in cases.items():
@@ -114,6 +113,16 @@ def main() -> None:
         found = _refusals() if mode == "refusals" else _refine_setups()
         if rank == 0:
             torch.save(found, out)
+    elif mode == "tune":  # rank 0's score decides: the others' evaluate returns nonsense
+        import panther_lite
+
+        model = tiny_llama()
+        score = logits_score(model)
+        report = panther_lite.tune(model, score if rank == 0 else lambda m: -1e9, calibration_data=batches(),
+                                   progress=False, **options)
+        if rank == 0:
+            torch.save({"state": model.state_dict(), "rows": report["calibration_rows"].fillna(-1).astype(int).tolist(),
+                        "search": report.attrs["search"]["budget"].tolist()}, out)
     else:  # compress: options["source"] a checkpoint directory, OUT the output directory
         import panther_lite
 
