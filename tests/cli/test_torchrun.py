@@ -1,5 +1,5 @@
 """The command under ``torchrun --nproc-per-node 2`` (gloo on the CPU): the same output files as one
-process, global allocation and sequential fits included, in memory; streamed, a run whose rank 1
+process, global allocation and sequential fits included (and block refinement), in memory; streamed, a run whose rank 1
 dies leaves its work for ``--resume``, which finishes with the one-process output, rank 0 alone
 printing the summary and evaluating (``--eval``)."""
 from __future__ import annotations
@@ -38,11 +38,12 @@ def _tensors(directory: Path) -> dict:
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-def test_torchrun_two_processes_write_the_one_process_model(checkpoints, text_file, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--refine", "--refine-max-steps", "3"]], ids=["fits", "refined"])
+def test_torchrun_two_processes_write_the_one_process_model(extra, checkpoints, text_file, tmp_path):
     alone, across = tmp_path / "alone", tmp_path / "across"
-    result = _compress([sys.executable], checkpoints["llama"], text_file, alone, *OPTIONS)
+    result = _compress([sys.executable], checkpoints["llama"], text_file, alone, *OPTIONS, *extra)
     assert result.returncode == 0, result.stderr
-    result = _compress(TORCHRUN, checkpoints["llama"], text_file, across, *OPTIONS, "--collective-timeout", "300")
+    result = _compress(TORCHRUN, checkpoints["llama"], text_file, across, *OPTIONS, *extra, "--collective-timeout", "300")
     assert result.returncode == 0, result.stderr[-4000:]
     assert sorted(p.name for p in across.iterdir()) == sorted(p.name for p in alone.iterdir())
     expected, got = _tensors(alone), _tensors(across)

@@ -10,13 +10,19 @@ closed-form fit, the block is left exactly as it was.
 
 Memory: the block's parameters twice (the best copy) and Adam's two moments, plus one call's
 activations at a time (gradients are accumulated call by call).
+
+Across processes (inside a conversion across them) each rank holds the calls of its own
+batches: the split into training and held-back calls is the one-process split of all the calls,
+the held-back errors and the loss's scale are the one-process sums of every call's terms, and
+each step's gradients are summed over the ranks (:mod:`~panther_lite.conversion.process_groups.refinement`),
+so every rank takes the same steps, stops at the same step and keeps the same parameters.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -24,6 +30,7 @@ from torch import Tensor
 
 from ...nn.validation import check_positive_int
 from ..config import check_holdout, check_lr
+from ..process_groups.refinement import call_positions, sum_gradients, sum_in_call_order
 from ..progress import progress_bar
 
 __all__ = ["RefinementResult", "best_kept", "held_back_indices", "refine_block"]
@@ -48,10 +55,12 @@ class _Split:
     With ``n >= 2`` calls, ``h = max(1, ⌊holdout·n + ½⌋)`` calls (at most ``n − 1``) spread
     evenly over them are held back (calls ``⌈(i+1)·n/h⌉ − 1``: with batches sorted by length the
     held set spans the lengths); with one call its last rows (``output.reshape(-1, last_dim)``).
+    Across processes ``n`` counts every rank's calls and ``positions`` places this rank's among
+    them, so the split is the one-process split whatever the number of processes.
     """
 
-    def __init__(self, calls: int, holdout: float, rows: int) -> None:
-        self.by_rows = calls == 1
+    def __init__(self, total: int, positions: List[int], holdout: float, rows: int) -> None:
+        self.by_rows, self.positions, self.total = total == 1, positions, total
         if self.by_rows:
             if rows < 2:
                 raise ValueError(
@@ -61,8 +70,9 @@ class _Split:
             held = min(rows - 1, max(1, int(holdout * rows + 0.5)))
             self.train_calls, self.held_calls, self.first_held_row = [0], [0], rows - held
         else:
-            self.held_calls = held_back_indices(calls, holdout)
-            self.train_calls = [i for i in range(calls) if i not in self.held_calls]
+            held_back = set(held_back_indices(total, holdout))
+            self.held_calls = [i for i, position in enumerate(positions) if position in held_back]
+            self.train_calls = [i for i, position in enumerate(positions) if position not in held_back]
             self.first_held_row = 0
 
     def rows(self, tensor: Tensor, held: bool) -> Tensor:
@@ -71,6 +81,11 @@ class _Split:
             return tensor
         rows = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() > 1 else tensor.reshape(-1, 1)
         return rows[self.first_held_row :] if held else rows[: self.first_held_row]
+
+    def summed(self, values: Dict[int, Tuple[float, ...]], width: int, what: str) -> Tuple[float, ...]:
+        """Per-call values (by this rank's call index) summed over every call in call order."""
+        positions = [self.positions[index] for index in values]
+        return sum_in_call_order(list(values.values()), positions, self.total, width, what)
 
 
 def held_back_indices(calls: int, holdout: float) -> List[int]:
@@ -136,35 +151,41 @@ def _prediction(predict: Callable[[int], Tensor], index: int, target: Tensor) ->
 
 def _held_error(predict, targets: Sequence[Tensor], split: _Split) -> float:
     """Relative error on the held-back part, ``sqrt(Σ‖p − t‖² / Σ‖t‖²)`` (inf if not finite)."""
-    squared, reference = 0.0, 0.0
+    parts = {}
     with torch.no_grad():
         for index in split.held_calls:
             target = split.rows(targets[index], held=True).double()
             output = split.rows(_prediction(predict, index, targets[index]), held=True).double()
-            squared += float((output - target.to(output.device)).square().sum())
-            reference += float(target.square().sum())
+            parts[index] = (float((output - target.to(output.device)).square().sum()), float(target.square().sum()))
+    squared, reference = split.summed(parts, 2, "the held-back errors")
     error = math.sqrt(squared / reference) if reference > 0 else math.sqrt(squared)
     return error if math.isfinite(error) else math.inf
 
 
 def _training_scale(targets: Sequence[Tensor], split: _Split) -> float:
     """``Σ‖target‖²`` over the training part (1 when zero): the loss is relative to it."""
-    scale = sum(float(split.rows(targets[i], held=False).double().square().sum()) for i in split.train_calls)
+    parts = {i: (float(split.rows(targets[i], held=False).double().square().sum()),) for i in split.train_calls}
+    (scale,) = split.summed(parts, 1, "the training targets' norms")
     return scale if scale > 0 else 1.0
 
 
 def _training_step(predict, targets: Sequence[Tensor], split: _Split, optimizer, scale: float) -> bool:
     """One Adam step on the relative squared error of the training part, gradients accumulated
-    call by call; False (and no step) when the loss is not finite."""
+    call by call (across processes: this rank's calls, then summed over the ranks); False (and no
+    step) when the loss is not finite (on some rank)."""
     optimizer.zero_grad(set_to_none=True)
+    failed = False
     with torch.enable_grad():
         for index in split.train_calls:
             target = split.rows(targets[index], held=False)
             output = split.rows(_prediction(predict, index, targets[index]), held=False)
             loss = (output - target.to(output)).float().square().sum() / scale
             if not torch.isfinite(loss):
-                return False
+                failed = True
+                break
             loss.backward()
+    if sum_gradients([p for group in optimizer.param_groups for p in group["params"]], failed):
+        return False
     optimizer.step()
     return True
 
@@ -204,13 +225,16 @@ def refine_block(
 
     Raises:
         TypeError / ValueError naming the argument; ValueError when ``predict(i)`` does not
-        return a tensor shaped like ``targets[i]`` (nothing is changed then).
+        return a tensor shaped like ``targets[i]`` (nothing is changed then). Across processes
+        (the conversion's process group active): ValueError on every rank when the ranks refine
+        different parameters or hold other calls than sharding by rank gives them (call ``i`` on
+        process ``i % world``).
     """
     parameters = _check_arguments(parameters, predict, targets, lr, holdout)
     max_steps, patience = check_positive_int("max_steps", max_steps), check_positive_int("patience", patience)
     first_target = targets[0]
     rows = first_target.reshape(-1, first_target.shape[-1]).shape[0] if first_target.dim() > 0 else 1
-    split = _Split(len(targets), float(holdout), rows)
+    split = _Split(*call_positions(len(targets), parameters), float(holdout), rows)
     with best_kept(parameters) as best:  # also on error: the block keeps its best (or original) parameters
         error_before = best_error = _held_error(predict, targets, split)
         optimizer, scale = torch.optim.Adam(parameters, lr=float(lr)), _training_scale(targets, split)

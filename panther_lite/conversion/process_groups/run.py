@@ -1,7 +1,7 @@
 """Starting a conversion across processes: the process group resolved (``process_group=``, else
 the initialised default group of ``torch.distributed``), the options that cannot run across
-processes refused naming them, and the calibration batches sharded by rank (batch ``i`` on rank
-``i % world``) for the duration."""
+processes refused naming them, the calibration batches sharded by rank (batch ``i`` on rank
+``i % world``) for the duration, and rank 0's value of a workflow's decision sent to every rank."""
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 from ..calibration.batches import CalibrationData
 from .group import ProcessGroupRun, active_run, running_on
 
-__all__ = ["distributed_conversion", "resolve_run", "ShardedBatches", "check_compress_across", "refuse_across_processes"]
+__all__ = ["distributed_conversion", "resolve_run", "ShardedBatches", "check_compress_across", "from_first_process"]
 
 
 def resolve_run(process_group=None) -> Optional[ProcessGroupRun]:
@@ -75,14 +75,6 @@ def _check_data(data: CalibrationData, run: ProcessGroupRun, held_back: bool) ->
             )
 
 
-def _check_options(config) -> None:
-    if config.refine is not None:
-        raise NotImplementedError(
-            "convert across processes: refine (block refinement) is not distributed yet; pass refine=False or run "
-            "in one process"
-        )
-
-
 @contextlib.contextmanager
 def distributed_conversion(process_group, config, data: CalibrationData) -> Iterator[CalibrationData]:
     """The calibration data this rank runs (all of it in one process) while the process group is
@@ -91,7 +83,6 @@ def distributed_conversion(process_group, config, data: CalibrationData) -> Iter
     if run is None:
         yield data
         return
-    _check_options(config)
     if data.given:
         _check_data(data, run, config.held_back)
         data = CalibrationData(ShardedBatches(data.source, run.rank, run.world))
@@ -110,8 +101,8 @@ def check_compress_across(run: ProcessGroupRun, in_memory: bool, distill, resume
         )
 
 
-def refuse_across_processes(what: str, why: str) -> None:
-    """NotImplementedError naming ``what`` when a process group of more than one process is active."""
+def from_first_process(value, what: str):
+    """Rank 0's ``value`` (picklable) on every process of the conversion's group (``value`` in one
+    process): for a workflow's decisions, taken alike on every rank."""
     run = resolve_run(None)
-    if run is not None:
-        raise NotImplementedError(f"{what} across {run.world} processes is not supported: {why}; run it in one process")
+    return value if run is None else run.from_first(value, what)

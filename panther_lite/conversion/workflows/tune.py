@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from ...nn.validation import check_positive_int, is_real
-from ..process_groups.run import refuse_across_processes
+from ..process_groups.run import from_first_process
 from .convert import convert_undoable
 from ..calibration.batches import CalibrationData
 from ..config import ConvertConfig, make_config
@@ -155,10 +155,12 @@ def _check_data(calibration_data) -> None:
 
 
 def _score(evaluate, model: nn.Module) -> float:
-    """``evaluate(model)`` as a float: a Python or NumPy real number or a one-element tensor."""
+    """``evaluate(model)`` as a float: a Python or NumPy real number or a one-element tensor.
+    Across processes every rank evaluates and every rank uses rank 0's score (the same decisions)."""
     score = evaluate(model)
     if isinstance(score, torch.Tensor) and score.numel() == 1 and not score.dtype.is_complex:
         score = score.item()
+    score = from_first_process(score, "evaluate(model)'s score")
     if isinstance(score, (bool, np.bool_)) or not isinstance(score, numbers.Real) or not math.isfinite(score):
         raise TypeError(f"evaluate(model) must return a finite number (higher is better), got {score!r}")
     return float(score)
@@ -214,7 +216,11 @@ def tune(
         evaluate: ``evaluate(model) -> float``, higher is better (e.g. accuracy on held-out
             data; a NumPy number or a one-element tensor is fine). Called once on the dense
             model, then once per tried budget. A trial that converts no layer (every layer
-            kept dense, e.g. below uniform's per-layer minimum) never passes.
+            kept dense, e.g. below uniform's per-layer minimum) never passes. Across processes
+            (``torchrun``: each trial's conversion runs across them) every process calls it and
+            the search uses process 0's score, so every process tries the same budgets; an
+            evaluate scoring a shard of the data per process must combine the shards itself
+            (``torch.distributed.all_reduce``).
         tolerance: how much score may be lost: a budget passes when
             ``evaluate(converted) >= evaluate(dense) - tolerance``.
         calibration_data, example_inputs: as for :func:`~panther_lite.convert` (calibration
@@ -256,7 +262,6 @@ def tune(
     low, high = _check_tune_arguments(model, evaluate, tolerance, ratio_range, resolution, max_evaluations)
     base = _trial_config(config, convert_kwargs, high)
     _check_data(calibration_data)
-    refuse_across_processes("tune", "each process would score its trials with its own evaluate")
 
     def run(budget: float):
         trial_config = dataclasses.replace(base, param_ratio=budget)

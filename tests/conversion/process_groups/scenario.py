@@ -27,3 +27,17 @@ def tiny_llama(kind: str = "llama"):
 def batches(count: int = 4, size: int = 2, length: int = 12):
     generator = torch.Generator().manual_seed(1)
     return [dict(input_ids=torch.randint(0, 48, (size, length), generator=generator)) for _ in range(count)]
+
+
+def logits_score(model):
+    """A ``tune`` score for ``model`` as it is now: minus the mean squared change of its logits on
+    one batch (0 for the model as it is now)."""
+    probe = batches(1, length=8)[0]
+    with torch.no_grad():
+        reference = model(**probe).logits
+
+    def evaluate(converted) -> float:
+        with torch.no_grad():
+            return -float((converted(**probe).logits - reference).square().mean())
+
+    return evaluate

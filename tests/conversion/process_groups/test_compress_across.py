@@ -66,16 +66,20 @@ def _alone(source: Path, out: Path, **options):
     return panther_lite.compress_checkpoint(source, out, calibration_data=batches(), progress=False, **options)
 
 
-def test_two_processes_stream_the_one_process_checkpoint(tmp_path):
-    source = tmp_path / "source"
-    tiny_llama().save_pretrained(source)
-    report = _alone(source, tmp_path / "alone", **STREAMED)
+def _stream_alone_and_across(world: int, source: Path, tmp_path: Path, options: dict) -> None:
+    """``source`` streamed by one process (to ``alone``) and by ``world`` (to ``across``): the same output."""
+    report = _alone(source, tmp_path / "alone", **options)
     assert report.attrs["pipeline"].startswith("out of core")
-    results = launch(2, dict(mode="compress", source=str(source), **STREAMED), tmp_path / "across")
+    results = launch(world, dict(mode="compress", source=str(source), **options), tmp_path / "across")
     for rank, (code, err) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
     assert not list(tmp_path.glob(".*partial*"))
     _assert_same_output(tmp_path / "alone", tmp_path / "across")
+
+
+def test_two_processes_stream_the_one_process_checkpoint(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "source")
+    _stream_alone_and_across(2, tmp_path / "source", tmp_path, STREAMED)
 
 
 def test_a_killed_rank_stops_the_other_and_one_process_resumes_the_run(tmp_path):
@@ -114,3 +118,40 @@ def test_a_one_process_run_resumes_on_two_processes(tmp_path, monkeypatch):
     for rank, (code, err) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
     _assert_same_output(tmp_path / "alone", out)
+
+
+def test_four_processes_stream_the_one_process_checkpoint(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "source")
+    _stream_alone_and_across(4, tmp_path / "source", tmp_path, dict(param_ratio=0.5))
+
+
+def _save_under_the_model_names(model, directory: Path) -> None:
+    """``model``'s checkpoint with its own tensor names (transformers writes Mixtral's experts in
+    the legacy per-expert layout, which only loading the model whole reads); a tied tensor once."""
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(directory)
+    tensors, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            tensors[name] = tensor.contiguous()
+    safetensors.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("options", [
+    dict(param_ratio=0.5),
+    dict(param_ratio=0.5, allocation="global", sequential=True),
+], ids=["uniform", "global-sequential"])
+def test_two_processes_stream_a_mixture_of_experts_checkpoint(options, tmp_path):
+    _save_under_the_model_names(tiny_llama("mixtral"), tmp_path / "source")
+    _stream_alone_and_across(2, tmp_path / "source", tmp_path, options)
+
+
+def test_two_processes_stream_and_refine_the_one_process_checkpoint(tmp_path):
+    import pandas as pd
+
+    tiny_llama().save_pretrained(tmp_path / "source")
+    options = dict(param_ratio=0.2, refine=dict(max_steps=4, lr=1e-3, patience=4))
+    _stream_alone_and_across(2, tmp_path / "source", tmp_path, options)  # refinement's tolerance: test_refinement.py
+    steps = [pd.read_csv(tmp_path / name / "refinement.csv")["steps"].tolist() for name in ("alone", "across")]
+    assert steps[0] == steps[1] and steps[0]

@@ -1,6 +1,7 @@
 """``convert`` across processes (gloo on the CPU, ranks started by ``launch.py``): the model two
 processes give equals one process's within float64 summation-order rounding, for uniform,
-global and sequential fits; options not distributed yet raise naming themselves."""
+global and sequential fits; ``tune`` decides on process 0's score; options not distributed yet
+raise naming themselves."""
 from __future__ import annotations
 
 import sys
@@ -11,38 +12,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import launch  # noqa: E402
-from scenario import batches, tiny_llama  # noqa: E402
+from outcomes import across, assert_same, one_process  # noqa: E402
 
 pytest.importorskip("transformers")
-
-# float64 Grams summed per rank then across ranks ((b0+b2)+(b1+b3)) instead of batch by batch: the
-# statistics differ in the last bits (~1e-16 relative), the fits by that times their conditioning.
-ATOL, RTOL = 1e-5, 1e-4
-
-
-def _one_process(options: dict):
-    import panther_lite
-
-    options = dict(options)
-    model = tiny_llama(options.pop("model", "llama"))
-    report = panther_lite.convert(model, calibration_data=batches(options.pop("batches", 4)), progress=False, **options)
-    return model.state_dict(), report["calibration_rows"].fillna(-1).astype(int).tolist()
-
-
-def _across(world: int, options: dict, tmp_path: Path, extra_env=None):
-    out = tmp_path / f"world{world}.pt"
-    results = launch(world, options, out, extra_env=extra_env)
-    for rank, (code, err) in enumerate(results):
-        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
-    return torch.load(out)
-
-
-def _assert_same(expected, got):
-    state, rows = expected
-    assert got["rows"] == rows  # every rank's rows counted once
-    assert state.keys() == got["state"].keys()
-    for name, tensor in state.items():
-        torch.testing.assert_close(got["state"][name], tensor, atol=ATOL, rtol=RTOL, msg=name)
 
 
 @pytest.mark.parametrize("options", [
@@ -50,12 +22,12 @@ def _assert_same(expected, got):
     dict(param_ratio=0.5, allocation="global", sequential=True, shrinkage=0.1),
 ], ids=["uniform", "global-sequential"])
 def test_two_processes_give_the_one_process_model(options, tmp_path):
-    _assert_same(_one_process(options), _across(2, options, tmp_path))
+    assert_same(one_process(options), across(2, options, tmp_path))
 
 
 def test_the_whole_model_pipeline_and_global_gains_across_processes(tmp_path):
     options = dict(param_ratio=0.5, allocation="global", blocks=False)
-    _assert_same(_one_process(options), _across(2, options, tmp_path))
+    assert_same(one_process(options), across(2, options, tmp_path))
 
 
 @pytest.mark.parametrize("options", [
@@ -63,7 +35,7 @@ def test_the_whole_model_pipeline_and_global_gains_across_processes(tmp_path):
     dict(model="mixtral", param_ratio=0.5, allocation="global", sequential=True),
 ], ids=["uniform", "global-sequential"])
 def test_a_mixture_of_experts_model_across_processes(options, tmp_path):
-    _assert_same(_one_process(options), _across(2, options, tmp_path))
+    assert_same(one_process(options), across(2, options, tmp_path))
 
 
 def test_options_not_distributed_yet_are_refused_naming_them(tmp_path):
@@ -71,30 +43,42 @@ def test_options_not_distributed_yet_are_refused_naming_them(tmp_path):
     results = launch(2, dict(mode="refusals"), out)
     assert [code for code, _ in results] == [0, 0], results[0][1][-3000:]
     found = torch.load(out)
-    assert found["refine"].startswith("NotImplementedError") and "refine" in found["refine"]
     assert found["callable"].startswith("NotImplementedError") and "callable" in found["callable"]
     assert found["odd batches"].startswith("ValueError") and "shrinkage='auto'" in found["odd batches"]
     assert found["one batch"].startswith("ValueError") and "fewer than the processes" in found["one batch"]
-    assert found["tune"].startswith("NotImplementedError") and "tune" in found["tune"]
 
 
 def test_four_processes_give_the_one_process_model(tmp_path):
     options = dict(param_ratio=0.5)
-    _assert_same(_one_process(options), _across(4, options, tmp_path))
+    assert_same(one_process(options), across(4, options, tmp_path))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_statistics_on_the_gpu_travel_through_gloo(tmp_path):
     options = dict(param_ratio=0.5, calibration_device="cuda")
-    _assert_same(_one_process(options), _across(2, options, tmp_path))
+    assert_same(one_process(options), across(2, options, tmp_path))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL: one GPU per rank)")
 def test_nccl_with_one_gpu_per_rank(tmp_path):
     options = dict(param_ratio=0.5, allocation="global", calibration_device="cuda")
-    _assert_same(_one_process(options), _across(2, options, tmp_path, extra_env={"TEST_BACKEND": "nccl"}))
+    assert_same(one_process(options), across(2, options, tmp_path, extra_env={"TEST_BACKEND": "nccl"}))
 
 
 def test_an_explicit_process_group(tmp_path):
     options = dict(param_ratio=0.5, allocation="global")
-    _assert_same(_one_process(options), _across(2, {**options, "explicit_group": True}, tmp_path))
+    assert_same(one_process(options), across(2, {**options, "explicit_group": True}, tmp_path))
+
+
+def test_tune_across_processes_decides_on_the_first_process_score(tmp_path):
+    import panther_lite
+    from scenario import batches, logits_score, tiny_llama
+
+    options = dict(tolerance=0.005, max_evaluations=3, ratio_range=[0.1, 1.0], sensitivity="norm")
+    model = tiny_llama()
+    report = panther_lite.tune(model, logits_score(model), calibration_data=batches(), progress=False, **options)
+    passed = report.attrs["search"]["passed"].tolist()
+    assert False in passed[1:] and True in passed[1:]  # a budget failed, another passed
+    got = across(2, dict(mode="tune", **options), tmp_path)  # process 1's evaluate returns -1e9: unused
+    assert got["search"] == report.attrs["search"]["budget"].tolist()
+    assert_same((model.state_dict(), report["calibration_rows"].fillna(-1).astype(int).tolist(), None), got)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scenario import batches, tiny_llama  # noqa: E402
+from scenario import batches, logits_score, tiny_llama  # noqa: E402
 
 
 def _die_at_barrier(named: str) -> None:
@@ -49,17 +49,35 @@ def _refusals() -> dict:
     import panther_lite
 
     cases = {
-        "refine": lambda: panther_lite.convert(tiny_llama(), calibration_data=batches(), param_ratio=0.5, refine=True),
         "callable": lambda: panther_lite.convert(tiny_llama(), calibration_data=lambda m: m(batches(1)[0]["input_ids"]),
                                                  param_ratio=0.5),
         "odd batches": lambda: panther_lite.convert(tiny_llama(), calibration_data=batches(4, size=3), param_ratio=0.5),
         "one batch": lambda: panther_lite.convert(tiny_llama(), calibration_data=batches(1), param_ratio=0.5),
-        "tune": lambda: panther_lite.tune(tiny_llama(), lambda m: 0.0, tolerance=0.1, calibration_data=batches()),
     }
     found = {}
     for name, case in cases.items():
         try:
             case()
+            found[name] = "ran"
+        except Exception as error:  # noqa: BLE001 - the test reads each error
+            found[name] = f"{type(error).__name__}: {error}"
+    return found
+
+
+def _refine_setups() -> dict:
+    """``refine_block`` across the processes with a wrong setup, each case tried:
+    ``{case: "ErrorType: message"}`` (or "ran")."""
+    from panther_lite.conversion.fitting.refinement import refine_block
+    from panther_lite.conversion.process_groups.group import ProcessGroupRun, running_on
+
+    rank, found = dist.get_rank(), {}
+    cases = {"uneven calls": ([1, 3][rank], 4), "other parameters": (2, [4, 5][rank])}
+    for name, (calls, width) in cases.items():
+        weight = torch.nn.Parameter(torch.ones(width))
+        targets = [torch.full((width,), 2.0) for _ in range(calls)]
+        try:
+            with running_on(ProcessGroupRun()):
+                refine_block([weight], lambda i: weight * 1.0, targets, max_steps=2, progress=False)
             found[name] = "ran"
         except Exception as error:  # noqa: BLE001 - the test reads each error
             found[name] = f"{type(error).__name__}: {error}"
@@ -89,12 +107,22 @@ def main() -> None:
             options["process_group"] = dist.new_group(ranks=list(range(dist.get_world_size())))
         report = panther_lite.convert(model, calibration_data=batches(options.pop("batches", 4)), progress=False, **options)
         if rank == 0:
-            torch.save({"state": model.state_dict(), "rows": report["calibration_rows"].fillna(-1).astype(int).tolist()}, out)
-    elif mode == "refusals":
+            torch.save({"state": model.state_dict(), "rows": report["calibration_rows"].fillna(-1).astype(int).tolist(),
+                        "refinement": report.attrs.get("refinement")}, out)
+    elif mode in ("refusals", "refine setups"):
+        found = _refusals() if mode == "refusals" else _refine_setups()
         if rank == 0:
-            torch.save(_refusals(), out)
-        else:
-            _refusals()
+            torch.save(found, out)
+    elif mode == "tune":  # rank 0's score decides: the others' evaluate returns nonsense
+        import panther_lite
+
+        model = tiny_llama()
+        score = logits_score(model)
+        report = panther_lite.tune(model, score if rank == 0 else lambda m: -1e9, calibration_data=batches(),
+                                   progress=False, **options)
+        if rank == 0:
+            torch.save({"state": model.state_dict(), "rows": report["calibration_rows"].fillna(-1).astype(int).tolist(),
+                        "search": report.attrs["search"]["budget"].tolist()}, out)
     else:  # compress: options["source"] a checkpoint directory, OUT the output directory
         import panther_lite
 
