@@ -59,14 +59,19 @@ JARGON = Path("/usr/share/doc/jargon-text/jargon.txt.gz")
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RATIOS = (0.8, 0.6, 0.4)
 WINDOW, CALIBRATION = 256, 64
+SVD_LLM = "SVD-LLM"
 RECIPES = {
     "uniform (the command's defaults)": [],
-    "global + random tokens": ["--allocation", "global", "--random-tokens", "256"],
+    "global + random tokens": ["--allocation", "global", "--sensitivity", "norm", "--random-tokens", "256"],
+    "global (KL) + sequential + random tokens": ["--allocation", "global", "--sensitivity", "kl", "--sequential",
+                                                 "--random-tokens", "256"],
+    "--recipe causal-lm": ["--recipe", "causal-lm"],
 }
 DOCSTRING_MODULES = {
     "validation": "argparse collections json logging pathlib subprocess threading textwrap functools csv",
     "test": "datetime decimal fractions statistics shutil tarfile zipfile dataclasses enum typing",
 }
+QUICK_DISTILL = ["--distill-max-steps", "3"]  # --quick: a few steps show the distillation runs
 PROSE = {"validation": DATA / "validation_sentences.txt", "test": DATA / "natural_sentences.txt"}
 
 
@@ -75,7 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model-dir", type=Path, help="a causal LM checkpoint (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--output-dir", type=Path, default=ROOT / "benchmarks" / "out")
     parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
-    parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), help="default: all")
+    parser.add_argument("--recipes", nargs="+", choices=[SVD_LLM, *RECIPES], help="default: all")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of an earlier CSV of the same split that this run does not measure again")
     parser.add_argument("--split", choices=("validation", "test"), default="test")
     parser.add_argument("--eval-windows", type=int, default=24, help="windows of 256 tokens per text at most")
     parser.add_argument("--threads", type=int, default=1)
@@ -189,13 +196,17 @@ def _timed(argv: List[str], threads: int) -> dict:
     return dict(seconds=measured["seconds"], peak_gb=measured["peak_bytes"] / 2**30)
 
 
+def _distills(flags: List[str]) -> bool:
+    return "--distill" in flags or "--recipe" in flags
+
+
 def run_recipe(model_dir: Path, ratio: float, flags: List[str], corpus: Dict[str, str], work: Path, args) -> dict:
     """The compress command with ``flags`` at ``ratio``, timed; the output's perplexities (streamed)."""
     calibration, out = work / "calibration.txt", work / "out"
     calibration.write_text(corpus["calibration"] + "\n")
     argv = [sys.executable, "-m", "panther_lite", "compress", str(model_dir), "-o", str(out), "--overwrite", "-q",
             "--calibration", str(calibration), "--max-samples", str(CALIBRATION), "--seq-len", str(WINDOW),
-            "--param-ratio", str(ratio), *flags]
+            "--param-ratio", str(ratio), *flags, *(QUICK_DISTILL if args.quick and _distills(flags) else [])]
     measured = _timed(argv, args.threads)
     from transformers import AutoTokenizer
 
@@ -224,14 +235,28 @@ def measure(args) -> pd.DataFrame:
     del dense
     for ratio in args.ratios:
         with tempfile.TemporaryDirectory(dir=args.output_dir) as work:
-            rows.append(dict(method="SVD-LLM", param_ratio=ratio, **run_svd_llm(model_dir, ratio, corpus, Path(work), args)))
-            for name in args.recipes or list(RECIPES):
-                found = run_recipe(model_dir, ratio, RECIPES[name], corpus, Path(work), args)
+            for name in args.recipes or [SVD_LLM, *RECIPES]:
+                found = (run_svd_llm(model_dir, ratio, corpus, Path(work), args) if name == SVD_LLM
+                         else run_recipe(model_dir, ratio, RECIPES[name], corpus, Path(work), args))
                 rows.append(dict(method=name, param_ratio=ratio, **found))
         print(pd.DataFrame(rows).to_string(index=False), flush=True)
     frame = pd.DataFrame(rows)
     frame["threads"], frame["split"], frame["machine"] = args.threads, args.split, device_name("cpu")
     return frame
+
+
+def merged(earlier_csv: Path, frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with the rows of ``earlier_csv`` (when it exists) whose method and ratio it lacks,
+    sorted by ratio (dense first) as a whole run would order them."""
+    if not earlier_csv.is_file():
+        return frame
+    earlier = pd.read_csv(earlier_csv)
+    measured = set(zip(frame["method"], frame["param_ratio"]))
+    kept = earlier[[(m, r) not in measured for m, r in zip(earlier["method"], earlier["param_ratio"])]]
+    order = {name: index for index, name in enumerate(["dense", SVD_LLM, *RECIPES])}
+    combined = pd.concat([kept, frame], ignore_index=True)
+    combined = combined.assign(_order=combined["method"].map(order).fillna(len(order)))
+    return combined.sort_values(["param_ratio", "_order"], ascending=[False, True]).drop(columns="_order")
 
 
 def plot(frame: pd.DataFrame, path: Path) -> None:
@@ -267,6 +292,8 @@ def main(argv=None) -> None:
         return
     frame = measure(args)
     name = "llm_ppl_quick" if args.quick else f"llm_ppl_{args.split}"
+    if args.merge:
+        frame = merged(args.output_dir / f"{name}.csv", frame)
     frame.to_csv(args.output_dir / f"{name}.csv", index=False)
     plot(frame, args.output_dir / f"{name}.png")
     print(f"wrote {args.output_dir / name}.csv and .png")

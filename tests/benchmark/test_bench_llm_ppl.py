@@ -23,3 +23,17 @@ def test_quick_run_measures_every_method_against_dense(load_script, tmp_path):
     assert (measured["param_ratio"] == 0.5).all() and (measured["seconds"] > 0).all() and (measured["peak_gb"] > 0).all()
     assert (frame[["like calibration", "other prose", "docstrings"]] > 1).all().all()
     assert (tmp_path / "llm_ppl_quick.png").stat().st_size > 0
+
+
+def test_merge_keeps_the_earlier_rows_it_does_not_measure_again(load_script, tmp_path):
+    bench = load_script("benchmarks/bench_llm_ppl.py")
+    earlier = pd.DataFrame([dict(method=m, param_ratio=r, docstrings=v) for m, r, v in
+                            [("dense", 1.0, 1.0), ("SVD-LLM", 0.8, 9.0), ("--recipe causal-lm", 0.8, 5.0),
+                             ("SVD-LLM", 0.6, 20.0)]])
+    earlier.to_csv(tmp_path / "earlier.csv", index=False)
+    new = pd.DataFrame([dict(method="dense", param_ratio=1.0, docstrings=1.0),
+                        dict(method="--recipe causal-lm", param_ratio=0.8, docstrings=2.0)])
+    frame = bench.merged(tmp_path / "earlier.csv", new)
+    assert list(zip(frame["method"], frame["param_ratio"], frame["docstrings"])) == [
+        ("dense", 1.0, 1.0), ("SVD-LLM", 0.8, 9.0), ("--recipe causal-lm", 0.8, 2.0), ("SVD-LLM", 0.6, 20.0)]
+    assert bench.merged(tmp_path / "absent.csv", new) is new
