@@ -20,7 +20,7 @@ _ROLE = re.compile(r":\w+:`~?([\w.]+)`")
 @dataclass(frozen=True)
 class Option:
     """One config field offered on the command line: ``field``; ``parse``, its argument type
-    (``bool``: a flag setting True; a tuple: the choices); ``aliases``, older option strings
+    (``bool``: a flag setting True and its ``--no-`` form setting False; a tuple: the choices); ``aliases``, older option strings
     kept working; ``metavar`` as argparse takes it."""
 
     field: str
@@ -80,8 +80,8 @@ def add_config_options(group, config_class: type, options: Sequence[Option], pre
         shown = "off" if default is False else "none" if default is None else default
         kwargs: Dict[str, object] = dict(dest=_dest(prefix, option.field), default=argparse.SUPPRESS,
                                          help=f"{docs[option.field]} (default: {shown})".replace("%", "%%"))
-        if option.parse is bool:
-            kwargs.update(action="store_const", const=True)
+        if option.parse is bool:  # --flag and --no-flag, so a recipe's flag can be turned off
+            kwargs.update(action=argparse.BooleanOptionalAction)
         elif isinstance(option.parse, tuple):
             kwargs.update(choices=option.parse)
         else:

@@ -38,7 +38,7 @@ def add_distill_options(command: argparse.ArgumentParser) -> None:
     """``--distill`` and the :class:`~panther_lite.DistillConfig` fields it offers
     (``--distill-max-steps``, ``--distill-lr``, ``--distill-top-k``) in their own group."""
     group = command.add_argument_group("distillation against the original (panther_lite.distill, DistillConfig's fields)")
-    group.add_argument("--distill", action="store_true",
+    group.add_argument("--distill", action=argparse.BooleanOptionalAction, default=None,
                        help="after the conversion, train the converted model's factors and biases to reproduce the "
                             "original model's outputs on the calibration batches (cached first, streamed from "
                             f"MODEL_DIR: the original is never whole in memory); writes {DISTILLATION_CSV}")
@@ -47,9 +47,10 @@ def add_distill_options(command: argparse.ArgumentParser) -> None:
 
 def check_distill_options(args: argparse.Namespace) -> dict:
     """The :class:`~panther_lite.DistillConfig` fields the options set (CommandError for a setting
-    without ``--distill``)."""
+    without ``--distill``; with ``--no-distill``, e.g. turning a recipe's distillation off, they
+    are ignored)."""
     settings = config_overrides(args, DISTILL_OPTIONS, prefix="distill-")
-    if settings and not args.distill:
+    if settings and args.distill is None:
         raise CommandError("--distill-max-steps, --distill-lr and --distill-top-k set the distillation: add --distill")
     return settings
 

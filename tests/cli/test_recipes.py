@@ -1,7 +1,8 @@
 """``compress --recipe NAME``: the preset's options as if typed first, every explicit option winning."""
 import pytest
 
-from panther_lite.cli import build_parser, main
+from panther_lite.cli import CommandError, build_parser, main
+from panther_lite.cli.distilling import check_distill_options
 from panther_lite.cli.recipes import RECIPES, expand_recipe
 
 BASE = ["compress", "model", "-o", "out", "--calibration", "text.txt"]
@@ -26,6 +27,11 @@ def test_explicit_options_win_before_and_after_the_recipe():
     assert after == before
     assert after["random_tokens"] == 64 and after["allocation"] == "uniform"
     assert after["sensitivity"] == "kl"  # the rest of the recipe stays
+    off = _parsed([*BASE, "--recipe", "causal-lm", "--no-distill", "--no-sequential"])
+    assert off["distill"] is False and off["sequential"] is False and off["allocation"] == "global"
+    check_distill_options(build_parser().parse_args(expand_recipe([*BASE, "--recipe", "causal-lm", "--no-distill"])))
+    with pytest.raises(CommandError, match="add --distill"):  # a typed setting without --distill stays an error
+        check_distill_options(build_parser().parse_args([*BASE, "--distill-lr", "1e-4"]))
 
 
 def test_without_a_recipe_nothing_changes_and_an_unknown_one_is_refused_with_the_choices(capsys):
