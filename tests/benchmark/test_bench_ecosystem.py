@@ -48,8 +48,27 @@ def test_generate_times_dense_and_compressed_in_one_run(tmp_path, load_script, m
     bench.main(["--layers", "1", "--prompt", "8", "--new-tokens", "3", "--repeats", "2", "--threads", "1",
                 "--output-dir", str(tmp_path)])
     df = pd.read_csv(tmp_path / "generate.csv")
-    assert sorted(zip(df["measure"], df["model"])) == [("decode", "compressed"), ("decode", "dense"),
-                                                       ("prefill", "compressed"), ("prefill", "dense")]
+    assert sorted(zip(df["measure"], df["model"])) == [
+        (measure, model) for measure in ("decode", "prefill") for model in ("compressed", "decode layout", "dense")]
     assert (df["runs"] == 2).all() and (df["min_s"] <= df["median_s"]).all() and (df["median_s"] <= df["max_s"]).all()
     assert (df["ratio"] > 1).all() and (df["target"] == 0.8 * df["ratio"]).all()
     assert (tmp_path / "generate.png").stat().st_size > 1000
+
+
+def test_generate_converts_a_checkpoint_with_a_tied_lm_head(tmp_path, load_script):
+    bench = load_script("benchmarks/bench_generate.py")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    dense = transformers.LlamaForCausalLM(config)
+    dense.save_pretrained(tmp_path / "tied")
+    bench.main(["--model", "smollm2", "--model-dir", str(tmp_path / "tied"), "--prompt", "8", "--new-tokens", "3",
+                "--repeats", "1", "--threads", "1", "--output-dir", str(tmp_path)])
+    df = pd.read_csv(tmp_path / "generate_smollm2.csv")
+    assert (df["dtype"] == "float32").all() and (df["param_ratio"] == 0.6).all() and (df["layers"] == 1).all()
+    blocks = sum(p.numel() for p in dense.model.layers.parameters())
+    embedding = dense.model.embed_tokens.weight.numel()  # stored once, multiplied once per token (lm_head)
+    assert bench.stored_bytes(dense) == 4 * (blocks + embedding + dense.model.norm.weight.numel()) + sum(
+        b.numel() * b.element_size() for b in dense.buffers())
+    assert bench.matmul_flops_per_token(dense) == 2 * (blocks - 2 * 64 + embedding)  # the two norms are no matmul
+    assert (df["ratio"] > 1).all() and (tmp_path / "generate_smollm2.png").stat().st_size > 1000
