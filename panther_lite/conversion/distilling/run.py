@@ -4,9 +4,11 @@ schedule and early stopping on the held-back loss.
 
 Across processes (the process group active) a step is the one-process step: its batch runs on the
 rank that holds it (batch ``i`` on rank ``i % world``), the others add zero gradients, so the
-gradients summed over the ranks (:func:`~..process_groups.refinement.sum_gradients`) are that
-batch's and every rank takes the one-process Adam step; the held-back and training losses are
-each batch's own, added in batch order (:func:`~..process_groups.refinement.sum_in_call_order`)."""
+gradients summed over the ranks
+(:func:`~panther_lite.conversion.process_groups.refinement.sum_gradients`) are that batch's and
+every rank takes the one-process Adam step; the held-back and training losses are each batch's
+own, added in batch order
+(:func:`~panther_lite.conversion.process_groups.refinement.sum_in_call_order`)."""
 from __future__ import annotations
 
 import itertools
