@@ -7,8 +7,8 @@ the blocks itself; rank 0 writes).
 
 Each world size runs in fresh processes (``python -m torch.distributed.run --standalone``); each
 rank reports the wall time of its ``convert`` and its peak resident memory (the kernel's
-high-water mark, so the model's own copy included: every rank holds the whole model). One CSV
-(a row per world size and rank) and one PNG (time and peak memory against the processes) in
+high-water mark, so the model's own copy included: every rank holds the whole model), with the
+machine and its 1-minute load average at the end. One CSV (a row per world size and rank) and one PNG (time and peak memory against the processes) in
 ``--output-dir``. The fits run on every rank, so what the processes share is the calibration:
 the speed-up is that of the forward passes, the exchange costs ``N × Σ fan_in² × 8`` bytes per
 block received per rank (``docs/large_models.rst``).
@@ -17,6 +17,7 @@ block received per rank (``docs/large_models.rst``).
     python benchmarks/bench_distributed.py --quick        # a tiny model, seconds
     python benchmarks/bench_distributed.py --layers 4     # fewer TinyLlama blocks
     python benchmarks/bench_distributed.py --streamed --layers 4 --hidden 512 --worlds 1 2
+    python benchmarks/bench_distributed.py --streamed --layers 4 --name distributed_tinyllama4
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import panther_lite
+    from panther_lite.benchmark import device_name
 
     torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -75,7 +77,8 @@ def rank_main(args: argparse.Namespace) -> None:
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     rank = dist.get_rank() if world > 1 else 0
     with open(args.record, "a", encoding="utf-8") as record:
-        record.write(json.dumps(dict(world=world, rank=rank, seconds=seconds, peak_gb=peak_gb)) + "\n")
+        record.write(json.dumps(dict(world=world, rank=rank, seconds=seconds, peak_gb=peak_gb, machine=device_name("cpu"),
+                                     load_1min=os.getloadavg()[0])) + "\n")
     if world > 1:
         dist.destroy_process_group()
 

@@ -5,7 +5,9 @@ The original's outputs on the calibration text (its top ``--distill-top-k`` log-
 token) are cached before the conversion, streamed from MODEL_DIR block by block
 (:func:`panther_lite.teacher_outputs`); the conversion then streams as without ``--distill``,
 and the compressed model alone is loaded and trained against the cache, so the command never
-holds the original whole, nor two models.
+holds the original whole, nor two models. Under ``torchrun`` each process caches the outputs of its
+share of the batches (batch ``i`` on process ``i % world``) and trains on them; every process ends
+with the one-process model, which rank 0 writes.
 """
 from __future__ import annotations
 
@@ -71,13 +73,15 @@ def distiller(args: argparse.Namespace, batches: List[dict], tokenizer, dtype, s
     return lambda model, directory: run_distill(model, cached, batches, config, directory, say)
 
 
-def run_distill(model: nn.Module, cached: TeacherOutputs, batches: List[dict], config: DistillConfig, staging: Path,
-                say) -> DistillationResult:
-    """``distill(model, cached, batches, config)`` with the key/value cache off; writes its history
-    (``step, train_loss, held_loss``) to ``staging/distillation.csv``."""
+def run_distill(model: nn.Module, cached: TeacherOutputs, batches: List[dict], config: DistillConfig,
+                staging: Optional[Path], say) -> DistillationResult:
+    """``distill(model, cached, batches, config)`` with the key/value cache off (under ``torchrun``
+    across the processes, each with its share of the cache); writes its history (``step,
+    train_loss, held_loss``) to ``staging/distillation.csv`` (rank 0's: None on the others)."""
     with without_kv_cache(model):
         result = distill(model, cached, batches, config)
-    result.history_frame().to_csv(staging / DISTILLATION_CSV, index=False)
+    if staging is not None:
+        result.history_frame().to_csv(staging / DISTILLATION_CSV, index=False)
     say(f"distilled {result.steps} steps ({result.stop_reason}; kept step {result.best_step}): held-back loss "
         f"{result.loss_before:.4g} -> {result.loss_after:.4g} in {result.seconds:.1f} s")
     return result

@@ -1,5 +1,6 @@
 """The command under ``torchrun --nproc-per-node 2`` (gloo on the CPU): the same output files as one
-process, global allocation and sequential fits included (and block refinement), in memory; streamed, a run whose rank 1
+process, global allocation and sequential fits included (and block refinement), in memory; streamed, distilled
+(``--distill``) as in one process; a run whose rank 1
 dies leaves its work for ``--resume``, which finishes with the one-process output, rank 0 alone
 printing the summary and evaluating (``--eval``)."""
 from __future__ import annotations
@@ -45,6 +46,23 @@ def test_torchrun_two_processes_write_the_one_process_model(extra, checkpoints, 
     assert result.returncode == 0, result.stderr
     result = _compress(TORCHRUN, checkpoints["llama"], text_file, across, *OPTIONS, *extra, "--collective-timeout", "300")
     assert result.returncode == 0, result.stderr[-4000:]
+    assert sorted(p.name for p in across.iterdir()) == sorted(p.name for p in alone.iterdir())
+    expected, got = _tensors(alone), _tensors(across)
+    assert expected.keys() == got.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_torchrun_two_processes_distill_as_one_process(checkpoints, text_file, tmp_path):
+    """``--distill`` streamed: each process caches its batches' teacher outputs and trains on them,
+    every step the one-process step (tolerance: tests/conversion/process_groups/test_distillation.py)."""
+    options = [option for option in OPTIONS if option != "--in-memory"] + ["--distill", "--distill-max-steps", "4"]
+    alone, across = tmp_path / "alone", tmp_path / "across"
+    result = _compress([sys.executable], checkpoints["llama"], text_file, alone, *options)
+    assert result.returncode == 0, result.stderr
+    result = _compress(TORCHRUN, checkpoints["llama"], text_file, across, *options, "--collective-timeout", "300")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "distillation.csv" in {p.name for p in across.iterdir()}
     assert sorted(p.name for p in across.iterdir()) == sorted(p.name for p in alone.iterdir())
     expected, got = _tensors(alone), _tensors(across)
     assert expected.keys() == got.keys()

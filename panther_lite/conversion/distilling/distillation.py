@@ -34,6 +34,9 @@ from ..config import configured
 from ..fitting.block_refinement import only_these_train
 from ..fitting.master_weights import HALF_DTYPES, in_float32
 from ..fitting.refinement import best_kept
+from ..process_groups.distillation import batch_owner, check_cache_share
+from ..process_groups.group import ProcessGroupRun, running_on
+from ..process_groups.run import resolve_run
 from .config import RANDOM_TOKEN_LENGTH, TRAINABLE, DistillConfig
 from .objective import Objective
 from .run import RandomTokens, Run, Session, data_batches, device_of, live_targets, on_device, optimise, warmup_steps
@@ -127,21 +130,28 @@ def _checked_parameters(model: nn.Module, teacher, train: Tuple[str, ...]) -> Li
     return parameters
 
 
-def _session(model: nn.Module, teacher, data, settings: DistillConfig, objective: Objective) -> Session:
+def _session(model: nn.Module, teacher, data, settings: DistillConfig, objective: Objective,
+             run: Optional[ProcessGroupRun]) -> Session:
     """The batches and what they are compared with: ``teacher`` run live (the training random-token
     batches drawn afresh each pass), or its cached outputs (checked against ``data``; their random-token
-    batches kept for every pass)."""
+    batches kept for every pass); across processes, which of them this rank runs."""
     batches, device = data_batches(data), device_of(model)
     if isinstance(teacher, TeacherOutputs):
         teacher.check(settings, batches)
+        check_cache_share(teacher.share, run)
         batches += [on_device(batch, device) for batch in teacher.random_batches]
         random = RandomTokens(None, 0, settings.random_token_length, settings.seed, device)
-        return Session(model, teacher.target, batches, random, settings.holdout, objective)
-    random = RandomTokens(settings.tokenizer, settings.random_tokens, settings.random_token_length, settings.seed, device)
-    return Session(model, live_targets(teacher, objective), batches, random, settings.holdout, objective)
+        session = Session(model, teacher.target, batches, random, settings.holdout, objective)
+    else:
+        random = RandomTokens(settings.tokenizer, settings.random_tokens, settings.random_token_length, settings.seed,
+                              device)
+        session = Session(model, live_targets(teacher, objective), batches, random, settings.holdout, objective)
+    session.owned = batch_owner(run, session.batches, "distill")
+    return session
 
 
-def distill(model: nn.Module, teacher: Union[nn.Module, TeacherOutputs], data, config: Optional[DistillConfig] = None, **overrides) -> DistillationResult:
+def distill(model: nn.Module, teacher: Union[nn.Module, TeacherOutputs], data, config: Optional[DistillConfig] = None,
+            *, process_group=None, **overrides) -> DistillationResult:
     """Train ``model`` (converted, in place) to reproduce ``teacher``'s outputs (the original
     model, never modified); early stopping on held-back batches keeps the best parameters.
 
@@ -160,6 +170,13 @@ def distill(model: nn.Module, teacher: Union[nn.Module, TeacherOutputs], data, c
         config: a :class:`~panther_lite.DistillConfig` holding the options (what trains, the
             loss, random tokens, the optimizer's steps and schedule, early stopping); None for
             its defaults.
+        process_group: the ``torch.distributed`` group to distill across (None: the default
+            group when ``torch.distributed`` is initialised, e.g. under ``torchrun``; one process
+            otherwise). Every process passes the same model, teacher (or its cache, made on the
+            same processes or in one) and all the batches; batch ``i`` runs on process
+            ``i % world`` and a step is the one-process step (its batch's gradient, summed over the
+            processes with zeros from the others), so every process ends with the one-process
+            model (module :mod:`~panther_lite.conversion.distilling.run`).
         **overrides: :class:`~panther_lite.DistillConfig` fields (``max_steps=200``,
             ``lr=3e-4``, ...) replacing the ``config``'s; an unknown name is a TypeError naming
             the closest option.
@@ -195,15 +212,18 @@ def distill(model: nn.Module, teacher: Union[nn.Module, TeacherOutputs], data, c
         training would change (the trained ones; in half precision, any), empty or
         single-batch ``data``, a bad batch, ``data`` or settings other than a cache's, outputs that differ in shape or are not
         floating-point tensors, a non-finite loss before training, and
-        settings out of range (``lr <= 0``, ``holdout`` outside (0, 1), ...).
+        settings out of range (``lr <= 0``, ``holdout`` outside (0, 1), ...). Across processes,
+        on every process: processes holding different batches, fewer batches (with the
+        random-token ones) than processes, a cache holding another process's share.
     """
     start = time.perf_counter()
     settings = configured(DistillConfig, config, overrides, caller="distill")
     _check_models(model, teacher)
     objective = Objective(settings.outputs, settings.loss, settings.temperature)
     parameters = _checked_parameters(model, teacher, settings.train)
-    session = _session(model, teacher, data, settings, objective)
-    with only_these_train(model, parameters), best_kept(parameters) as best, in_float32(model) as widened:
+    run = resolve_run(process_group)
+    session = _session(model, teacher, data, settings, objective, run)
+    with running_on(run), only_these_train(model, parameters), best_kept(parameters) as best, in_float32(model) as widened:
         session.widen = widened
         with evaluation_run(model):
             loss_before = session.held_loss()

@@ -1,6 +1,14 @@
 """One distillation run (:func:`~panther_lite.conversion.distilling.distillation.distill`): the batches
 and their held-back split, the loss of one batch, and the Adam loop with its warm-up,
-schedule and early stopping on the held-back loss."""
+schedule and early stopping on the held-back loss.
+
+Across processes (the process group active) a step is the one-process step: its batch runs on the
+rank that holds it (batch ``i`` on rank ``i % world``), the others add zero gradients, so the
+gradients summed over the ranks
+(:func:`~panther_lite.conversion.process_groups.refinement.sum_gradients`) are that batch's and
+every rank takes the one-process Adam step; the held-back and training losses are each batch's
+own, added in batch order
+(:func:`~panther_lite.conversion.process_groups.refinement.sum_in_call_order`)."""
 from __future__ import annotations
 
 import itertools
@@ -16,6 +24,8 @@ from ..calibration.batches import evaluation_run, run_batch
 from ..calibration.random_tokens import random_token_batches
 from ..fitting.master_weights import widened
 from ..fitting.refinement import held_back_indices
+from ..process_groups.distillation import Owned
+from ..process_groups.refinement import sum_gradients, sum_in_call_order
 from ..progress import progress_bar
 from .config import DistillConfig
 
@@ -84,12 +94,14 @@ class Session:
     ``data``'s batches and then the random-token ones; ``held`` / ``train``: the indices of the
     held-back and training batches, spread evenly over them all; ``widen``: the student is held
     in float32 (:func:`~panther_lite.conversion.fitting.master_weights.in_float32`), so its
-    batches' half-precision tensors are widened (the teacher's are not)."""
+    batches' half-precision tensors are widened (the teacher's are not); ``owned(i)``: batch ``i``
+    runs on this process (set by the caller; every batch in one process)."""
 
     def __init__(self, model, targets: Targets, data: list, random_tokens: RandomTokens, holdout: float,
                  objective) -> None:
         self.model, self.targets, self.objective, self.random_tokens = model, targets, objective, random_tokens
         self.widen = False
+        self.owned: Owned = lambda index: True
         self.first_random, self.batches = len(data), data + random_tokens.draw(0)
         if len(self.batches) < 2:
             raise ValueError(
@@ -107,10 +119,12 @@ class Session:
         return self.objective(batch, output, target)
 
     def held_loss(self) -> float:
-        """The mean loss over the held-back batches (inf when not finite); the student is
-        expected in eval mode."""
+        """The mean loss over the held-back batches (inf when not finite), added in batch order;
+        the student is expected in eval mode."""
+        mine = [position for position, index in enumerate(self.held) if self.owned(index)]
         with torch.no_grad():
-            total = sum(float(self.loss(index)) for index in self.held)
+            losses = [(float(self.loss(self.held[position])),) for position in mine]
+        (total,) = sum_in_call_order(losses, mine, len(self.held), 1, "the held-back losses")
         mean = total / len(self.held)
         return mean if math.isfinite(mean) else math.inf
 
@@ -163,12 +177,15 @@ class Run:
     stop_reason: str = "max_steps"
     since_best: int = 0
     history: List[Tuple[int, float, float]] = field(default_factory=list)
-    train_losses: List[float] = field(default_factory=list)
+    train_losses: List[Optional[float]] = field(default_factory=list)  # None: the step's batch ran elsewhere
 
     def evaluated(self, held: float, parameters, best: List[Tensor], patience: int) -> bool:
         """Record an evaluation after ``self.steps`` steps, keep the parameters when they are
         the best so far; False when training must stop."""
-        train_loss = sum(self.train_losses) / len(self.train_losses)
+        mine = [step for step, loss in enumerate(self.train_losses) if loss is not None]
+        (total,) = sum_in_call_order([(self.train_losses[step],) for step in mine], mine, len(self.train_losses), 1,
+                                     "the training losses")
+        train_loss = total / len(self.train_losses)
         self.history.append((self.steps, train_loss, held))
         self.train_losses.clear()
         if held == math.inf:
@@ -189,15 +206,18 @@ class Run:
         return True
 
 
-def _step(session: Session, index: int, optimizer) -> Optional[float]:
-    """One Adam step on batch ``index``: its loss, or None (and no step) when the loss is not finite."""
-    loss = session.loss(index)
-    if not torch.isfinite(loss):
-        return None
+def _step(session: Session, index: int, optimizer) -> Tuple[bool, Optional[float]]:
+    """One Adam step on batch ``index``: whether it was taken (not when the loss is not finite, on
+    the rank holding the batch) and the loss (None on a rank that does not hold the batch)."""
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    loss = session.loss(index) if session.owned(index) else None
+    failed = loss is not None and not bool(torch.isfinite(loss))
+    if loss is not None and not failed:
+        loss.backward()
+    if sum_gradients([p for group in optimizer.param_groups for p in group["params"]], failed):
+        return False, None
     optimizer.step()
-    return float(loss.detach())
+    return True, None if loss is None else float(loss.detach())
 
 
 def optimise(session: Session, parameters, best: List[Tensor], run: Run, settings: DistillConfig, progress) -> None:
@@ -210,8 +230,8 @@ def optimise(session: Session, parameters, best: List[Tensor], run: Run, setting
     bar = progress_bar(range(1, settings.max_steps + 1), "distilling", "step", progress)
     try:
         for step in bar:
-            loss = _step(session, next(order), optimizer)
-            if loss is None:
+            taken, loss = _step(session, next(order), optimizer)
+            if not taken:
                 run.stop_reason = "non-finite loss"
                 return
             schedule.step()

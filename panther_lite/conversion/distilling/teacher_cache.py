@@ -17,6 +17,10 @@ Random tokens: with ``random_tokens=N`` the random-token batches are drawn once,
 ``seed``), and their teacher outputs cached with the rest; :func:`~panther_lite.distill` adds
 them to its data and keeps them for every pass (a live teacher draws the training ones afresh
 each pass instead).
+
+Across processes (``torchrun``): each process caches its own share, batch ``i`` on process
+``i % world`` (the batches :func:`~panther_lite.distill` runs there), so the teacher's passes split
+over the processes and each holds about ``1/world`` of the cache.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import contextlib
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -34,6 +38,8 @@ from ...evaluation.streamed import streamed_model
 from ..calibration.batches import add_to_digest, evaluation_run, run_batch
 from ..config import configured
 from ..pipelines.blocks import without_kv_cache
+from ..process_groups.distillation import batch_owner, share_of
+from ..process_groups.run import resolve_run
 from ..progress import progress_bar
 from .config import DistillConfig
 from .objective import TopKLogProbs, at_real_tokens, select_output, top_k_log_probs
@@ -61,13 +67,16 @@ class TeacherOutputs:
     tokens (log-probabilities (rows, k) float32, token ids (rows, k) int32, tail (rows,) float32)
     under the ``"kl"`` loss, else the compared output whole; ``digests``: the sha256 of each data
     batch (what :meth:`check` compares); ``random_batches``: the random-token batches (dicts on
-    the CPU); ``settings``: the :class:`~panther_lite.DistillConfig` it was built with.
+    the CPU); ``settings``: the :class:`~panther_lite.DistillConfig` it was built with;
+    ``share``: ``(rank, world)`` of the process that cached it (``(0, 1)``: every batch; else the
+    targets of batches ``i`` with ``i % world != rank`` are None, cached by the other processes).
     """
 
-    targets: Tuple[Target, ...]
+    targets: Tuple[Optional[Target], ...]
     digests: Tuple[str, ...]
     random_batches: Tuple[dict, ...]
     settings: DistillConfig
+    share: Tuple[int, int] = (0, 1)
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -115,18 +124,22 @@ def _kept(batch, output, name: Optional[str], settings: DistillConfig) -> Target
     return output.detach().cpu()
 
 
-def _run(model: nn.Module, batches: list, settings: DistillConfig) -> list:
-    """The cached output of each batch: ``model`` in eval mode, no grad, no key/value cache."""
+def _run(model: nn.Module, batches: list, settings: DistillConfig, owned: Callable[[int], bool]) -> list:
+    """The cached output of each ``owned`` batch (None for the others): ``model`` in eval mode, no
+    grad, no key/value cache."""
     targets = []
     with evaluation_run(model), without_kv_cache(model):
         for index, batch in enumerate(progress_bar(batches, "caching the teacher's outputs", "batch", settings.progress)):
+            if not owned(index):
+                targets.append(None)
+                continue
             output, name = select_output(run_batch(model, batch, index), settings.outputs, "teacher")
             targets.append(_kept(batch, output, name, settings))
     return targets
 
 
 def teacher_outputs(teacher, data, config: Optional[DistillConfig] = None, *, dtype: Optional[torch.dtype] = None,
-                    **overrides) -> TeacherOutputs:
+                    process_group=None, **overrides) -> TeacherOutputs:
     """Run ``teacher`` once over ``data`` and keep what :func:`~panther_lite.distill` compares, so
     it can train the student against the result (``distill(model, cached, data, ...)``) without
     the teacher in memory (memory, temperature and random tokens: see
@@ -142,6 +155,8 @@ def teacher_outputs(teacher, data, config: Optional[DistillConfig] = None, *, dt
             will get: its ``outputs``, ``loss``, ``temperature``, ``top_k``, ``random_tokens``
             (with ``tokenizer``, ``random_token_length`` and ``seed``) and ``progress`` apply.
         dtype: the dtype a directory is loaded in (None: the checkpoint's).
+        process_group: as for ``distill`` (None: the default group when ``torch.distributed`` is
+            initialised): every process passes all the batches and caches its share.
         **overrides: :class:`~panther_lite.DistillConfig` fields replacing the ``config``'s.
 
     Returns:
@@ -169,7 +184,7 @@ def teacher_outputs(teacher, data, config: Optional[DistillConfig] = None, *, dt
         streamed.
     """
     settings = configured(DistillConfig, config, overrides, caller="teacher_outputs")
-    batches = data_batches(data)
+    batches, run = data_batches(data), resolve_run(process_group)
     if isinstance(teacher, (str, os.PathLike)):
         running = streamed_model(teacher, dtype)
     elif isinstance(teacher, nn.Module):
@@ -182,7 +197,8 @@ def teacher_outputs(teacher, data, config: Optional[DistillConfig] = None, *, dt
     with running as model:
         random = RandomTokens(settings.tokenizer, settings.random_tokens, settings.random_token_length, settings.seed,
                               device_of(model)).draw(0)
-        targets = _run(model, batches + random, settings)
+        owned = batch_owner(run, batches + random, "teacher_outputs")
+        targets = _run(model, batches + random, settings, owned)
     cpu = torch.device("cpu")
     return TeacherOutputs(tuple(targets), tuple(_digest(batch) for batch in batches),
-                          tuple(on_device(batch, cpu) for batch in random), settings)
+                          tuple(on_device(batch, cpu) for batch in random), settings, share_of(run))

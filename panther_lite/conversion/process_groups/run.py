@@ -90,10 +90,8 @@ def distributed_conversion(process_group, config, data: CalibrationData) -> Iter
         yield data
 
 
-def check_compress_across(run: ProcessGroupRun, in_memory: bool, distill, resume: bool) -> None:
-    """``compress_checkpoint``'s options that cannot run across processes yet, refused naming them."""
-    if distill is not None:
-        raise NotImplementedError(f"compress_checkpoint across {run.world} processes: distill is not distributed yet")
+def check_compress_across(run: ProcessGroupRun, in_memory: bool, resume: bool) -> None:
+    """``compress_checkpoint``'s options that cannot run across processes, refused naming them."""
     if resume and in_memory:
         raise NotImplementedError(
             f"compress_checkpoint across {run.world} processes: resume=True is not supported with in_memory=True; "

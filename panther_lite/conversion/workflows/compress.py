@@ -21,7 +21,7 @@ from ...nn.validation import check_bool
 from ...version import __version__
 from ..calibration.batches import CalibrationData, add_to_digest
 from ..config import ConvertConfig
-from ..process_groups.group import running_on
+from ..process_groups.group import active_run, running_on
 from ..process_groups.run import check_compress_across, distributed_conversion, resolve_run
 from ..process_groups.run_state import announcing, await_staging
 from ..fitting.block_refinement import REFINEMENT_COLUMNS
@@ -46,10 +46,10 @@ __all__ = ["compress_checkpoint", "REPORT_CSV", "REPORT_PNG", "REFINEMENT_CSV"]
 REPORT_CSV, REPORT_PNG, REFINEMENT_CSV = "report.csv", "report.png", "refinement.csv"
 _CONVERTED = "converted"  # with distill: the converted checkpoint, in the resume directory until distilled
 _COPIED = ("generation_config.json",)
-Distiller = Callable[[torch.nn.Module, Path], object]
+Distiller = Callable[[torch.nn.Module, Optional[Path]], object]
 """``distill(model, directory)``: trains the converted ``model`` (against the original's outputs,
 cached before the conversion: :func:`~panther_lite.teacher_outputs`), may write files into
-``directory`` (the output, staged)."""  # files of MODEL_DIR the model's own save_pretrained writes too
+``directory`` (the output, staged; None on the processes other than rank 0, which write nothing)."""  # files of MODEL_DIR the model's own save_pretrained writes too
 
 
 def _options_record(config: ConvertConfig, own: dict) -> dict:
@@ -129,13 +129,18 @@ def _convert_whole(
     return report
 
 
-def _distill_written(files: CheckpointFiles, dtype: torch.dtype, converted: Path, directory: Path,
+def _distill_written(files: CheckpointFiles, dtype: torch.dtype, converted: Path, directory: Optional[Path],
                      distill: Distiller) -> None:
-    """The converted checkpoint written in ``converted`` loaded (at its own, compressed size),
-    trained by ``distill`` and saved into ``directory``."""
+    """The converted checkpoint written in ``converted`` (by rank 0; the others wait for it) loaded
+    at its own, compressed size, trained by ``distill`` (on every rank) and saved into ``directory``
+    (rank 0's; None elsewhere)."""
+    run = active_run()
+    if run is not None:
+        run.barrier("rank 0 writing the converted checkpoint to distill")
     model = from_pretrained(files.auto_class, converted, dtype=dtype)
     distill(model, directory)
-    save_pretrained(model, directory)
+    if directory is not None:
+        save_pretrained(model, directory)
 
 
 def _convert_into(
@@ -156,17 +161,18 @@ def _convert_into(
         if not in_memory and directory is not None:
             warnings.warn(f"compress_checkpoint: loading {str(files.directory)!r} whole: {why}", UserWarning, stacklevel=3)
         report = _convert_whole(files, dtype, config, data, directory, why, distill, allow_missing)
-    if directory is None:
-        return report
     if pipeline is not None:
-        count = len(pipeline.block_list.blocks)
-        parts = [state.part_path("outside"), *(state.part_path(f"block-{index:05d}") for index in range(count))]
         converted = directory if distill is None else state.scratch(_CONVERTED)
-        converted.mkdir(exist_ok=True)
-        finalize_shards(parts, converted)
-        save_transformers_config(model, converted, conversion_config(model))
+        if directory is not None:
+            count = len(pipeline.block_list.blocks)
+            parts = [state.part_path("outside"), *(state.part_path(f"block-{index:05d}") for index in range(count))]
+            converted.mkdir(exist_ok=True)
+            finalize_shards(parts, converted)
+            save_transformers_config(model, converted, conversion_config(model))
         if distill is not None:
             _distill_written(files, dtype, converted, directory, distill)
+    if directory is None:
+        return report
     _copy_side_files(files, directory)
     _write_reports(report, directory, Path(os.path.abspath(files.directory)).name)
     return report
@@ -174,15 +180,17 @@ def _convert_into(
 
 def _convert_elsewhere(
     run, model_dir, config: ConvertConfig, data: CalibrationData, dtype, in_memory: bool, allow_missing: bool,
+    distill: Optional[Distiller],
 ) -> "pd.DataFrame":
     """A rank other than 0 across processes, once rank 0 has announced its staging directory: its
     share of the conversion (its statistics summed into rank 0's, its hidden states kept for a
-    resume), nothing written; it waits at a barrier until rank 0 has written the output."""
+    resume) and of the distillation, nothing written; it waits at a barrier until rank 0 has
+    written the output."""
     files = CheckpointFiles(Path(model_dir))
     state = await_staging(run, streamed=not in_memory)
     with running_on(run):
         report = _convert_into(files, dtype or files.default_dtype(), config, data, state, None, in_memory,
-                               allow_missing, None)
+                               allow_missing, distill)
     run.barrier("rank 0 writing the output")
     return report
 
@@ -251,6 +259,9 @@ def compress_checkpoint(
             memory holds the compressed model and its training state, never the original
             whole. A run stopped while distilling resumes (``resume=True``) after the last
             block converted: the distillation alone runs again, from the converted model.
+            Across processes it runs on every process (``directory`` None on all but rank 0),
+            each loading the checkpoint rank 0 converted, e.g. :func:`~panther_lite.distill`
+            across them.
 
     Examples:
         >>> import tempfile, torch, transformers, panther_lite
@@ -277,9 +288,9 @@ def compress_checkpoint(
     config, data = conversion_options(config, options, calibration_data, caller="compress_checkpoint")
     run = resolve_run(process_group)
     if run is not None:
-        check_compress_across(run, in_memory, distill, resume)
+        check_compress_across(run, in_memory, resume)
         if run.rank != 0:
-            return _convert_elsewhere(run, model_dir, config, data, dtype, in_memory, allow_missing_weights)
+            return _convert_elsewhere(run, model_dir, config, data, dtype, in_memory, allow_missing_weights, distill)
     with announcing(run, streamed=not in_memory) as announcement:  # across processes: the others hear how it went
         report = _compress_first(run, announcement, model_dir, output_dir, config, data, resume, distill, dtype,
                                  overwrite, in_memory, allow_missing_weights)

@@ -84,6 +84,25 @@ def _refine_setups() -> dict:
     return found
 
 
+def _distill(options: dict) -> dict:
+    """The tiny LLaMA converted in each process alone (a group of one), then distilled across all of
+    them against the live original or its outputs cached across them: the state dict and result."""
+    import copy
+
+    import panther_lite
+
+    alone = [dist.new_group(ranks=[rank]) for rank in range(dist.get_world_size())][dist.get_rank()]
+    teacher = tiny_llama()
+    model = copy.deepcopy(teacher)
+    data = batches(options.pop("batches", 4))
+    panther_lite.convert(model, calibration_data=data, param_ratio=0.3, progress=False, process_group=alone)
+    if options.pop("cached", False):
+        teacher = panther_lite.teacher_outputs(teacher, data, top_k=8, progress=False)
+    result = panther_lite.distill(model, teacher, data, progress=False, **options)
+    return {"state": model.state_dict(), "history": result.history, "steps": result.steps,
+            "best_step": result.best_step}
+
+
 def main() -> None:
     options, out = json.loads(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
@@ -109,6 +128,10 @@ def main() -> None:
         if rank == 0:
             torch.save({"state": model.state_dict(), "rows": report["calibration_rows"].fillna(-1).astype(int).tolist(),
                         "refinement": report.attrs.get("refinement")}, out)
+    elif mode == "distill":
+        found = _distill(options)
+        if rank == 0:
+            torch.save(found, out)
     elif mode in ("refusals", "refine setups"):
         found = _refusals() if mode == "refusals" else _refine_setups()
         if rank == 0:
