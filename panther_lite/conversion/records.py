@@ -129,3 +129,20 @@ def check_finite_weights(records: List[LayerRecord]) -> None:
         for attr, tensor in record.kind.tensors(record.module).items():
             if not tensor.is_meta:
                 check_finite(attr, tensor, layer=record.name)
+
+
+def records_entry(records: List[LayerRecord]) -> dict:
+    """Each record's status and reason, and its parts' own notes (experts fitted data-free), as
+    JSON: what a fit adds to the report besides its FitResult."""
+    return dict(records={r.name: [r.status, r.reason] for r in records},
+                notes={p.name: p.notes for r in records for p in r.parts if p is not r and hasattr(p, "notes")})
+
+
+def restore_records(records: List[LayerRecord], saved: dict) -> None:
+    """The statuses, reasons and parts' notes :func:`records_entry` saved, set on ``records``."""
+    for record in records:
+        if record.name in saved["records"]:
+            record.status, record.reason = saved["records"][record.name]
+        for part in record.parts:
+            if part.name in saved["notes"]:
+                part.notes = saved["notes"][part.name]

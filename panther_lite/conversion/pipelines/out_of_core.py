@@ -35,7 +35,7 @@ from ..fitting.layer import FitResult
 from ..fitting.planned import fit_planned
 from ..planning.sizes import PlanNote, plan_uniform
 from ..process_groups.statistics import first_problem, measured_by_first
-from ..records import LayerRecord, check_finite_weights
+from ..records import LayerRecord, check_finite_weights, records_entry, restore_records
 from ..saving.checkpoint_files import CheckpointFiles, check_placed, reported_unexpected
 from ..saving.resume_state import RunState
 from ..saving.serialization import CONFIG_FORMAT, CONFIG_VERSION, apply_conversion_config, conversion_config
@@ -90,21 +90,6 @@ def _fit_entry(fit: FitResult) -> dict:
 def _restored_fit(module: nn.Module, entry: dict) -> FitResult:
     parts = {name: _restored_fit(module, part) for name, part in entry["parts"].items()}
     return FitResult(module, **dict(zip(_FIGURES, entry["figures"])), parts=parts, extra=entry["extra"])
-
-
-def _records_entry(records: List[LayerRecord]) -> dict:
-    """Each record's status and reason, and its parts' own notes (experts fitted data-free)."""
-    return dict(records={r.name: [r.status, r.reason] for r in records},
-                notes={p.name: p.notes for r in records for p in r.parts if p is not r and hasattr(p, "notes")})
-
-
-def _restore_records(records: List[LayerRecord], saved: dict) -> None:
-    for record in records:
-        if record.name in saved["records"]:
-            record.status, record.reason = saved["records"][record.name]
-        for part in record.parts:
-            if part.name in saved["notes"]:
-                part.notes = saved["notes"][part.name]
 
 
 class OutOfCore(ByBlocks):
@@ -212,7 +197,7 @@ class OutOfCore(ByBlocks):
         layers = [dict(entry, name=prefix + entry["name"]) for entry in conversion_config(block)["layers"]]
         here = self.block_list.records_in(index, self.job.records)
         record = dict(
-            fits={name: _fit_entry(fit) for name, fit in block_fits.items()}, layers=layers, **_records_entry(here),
+            fits={name: _fit_entry(fit) for name, fit in block_fits.items()}, layers=layers, **records_entry(here),
             refinement=[row for row in self.report_attrs().get("refinement", []) if row["block"] == index],
         )
         self.state.commit(index + 1, record, streams)
@@ -222,7 +207,7 @@ class OutOfCore(ByBlocks):
         """The fits of a part a killed run finished (block index or ``"outside"``): statuses
         back in the records, placeholder layers (on the meta device) swapped into the skeleton."""
         saved = self.state.record(name)
-        _restore_records(job.records, saved)
+        restore_records(job.records, saved)
         apply_conversion_config(job.model, dict(format=CONFIG_FORMAT, version=CONFIG_VERSION, layers=saved["layers"]))
         if self.refiner is not None:
             self.refiner.results += saved["refinement"]
@@ -286,7 +271,7 @@ class OutOfCore(ByBlocks):
         if self.state.writes:
             write_part(self.state.part_path("outside"), self.parts.state(None))
         layers = [entry for entry in conversion_config(job.model)["layers"] if entry["name"] in fits]
-        record = dict(fits={name: _fit_entry(fit) for name, fit in fits.items()}, **_records_entry(outside),
+        record = dict(fits={name: _fit_entry(fit) for name, fit in fits.items()}, **records_entry(outside),
                       layers=layers, refinement=[])
         self.state.commit(len(self.block_list.blocks), record, None, outside=True)
         return fits
