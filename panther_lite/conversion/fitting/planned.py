@@ -15,6 +15,7 @@ from ..calibration.tokens import UNALIGNED_NOTE
 from ..config import ConvertConfig
 from ..records import LayerRecord
 from ..progress import progress_bar
+from .across import fit_split
 from .layer import FitResult, fit_layer, layer_seed
 from .sequential import fit_sequentially
 
@@ -65,15 +66,17 @@ def fit_all(
 ) -> Dict[str, FitResult]:
     """Fit every planned layer from its statistics, as its kind does, shrunk as
     ``config.shrinkage`` says (layer ``i`` of ``todo`` is layer ``first_index + i`` of the
-    plan, for its seed), releasing each Gram as soon as the last layer using it is fitted."""
-    fits = {}
-    for index, record in enumerate(progress_bar(todo, "converting", "layer", progress)):
+    plan, for its seed), releasing each Gram as soon as the last layer using it is fitted. Across
+    processes each layer is fitted by one rank and sent to the others
+    (:func:`~panther_lite.conversion.fitting.across.fit_split`)."""
+
+    def fit_one(index: int, record: LayerRecord) -> FitResult:
         recorder = None if calibration is None else calibration.recorders.get(record.name)
         seed = layer_seed(config.seed, first_index + index)
-        fits[record.name] = record.strategy.fit(record, recorder, config.init, seed, config.decomposition, config.shrinkage)
-        if calibration is not None:
-            calibration.release(record.name)
-    return fits
+        return record.strategy.fit(record, recorder, config.init, seed, config.decomposition, config.shrinkage)
+
+    release = None if calibration is None else (lambda record: calibration.release(record.name))
+    return fit_split(todo, fit_one, release, lambda records: progress_bar(records, "converting", "layer", progress))
 
 
 def fit_planned(
@@ -100,8 +103,11 @@ def fit_planned(
         progress=progress, fit=config.decomposition, converted_batches=converted_batches, prefitted=prefitted,
         shrinkage=config.shrinkage,
     )
-    for record in unreached:
+
+    def fit_unreached(index: int, record: LayerRecord) -> FitResult:
         warn_uncalibrated(record)
         seed = layer_seed(config.seed, first_index + todo.index(record))
-        fits[record.name] = record.strategy.fit(record, None, "svd", seed, config.decomposition)
+        return record.strategy.fit(record, None, "svd", seed, config.decomposition)
+
+    fits.update(fit_split(unreached, fit_unreached))
     return fits

@@ -49,6 +49,7 @@ from ..process_groups.statistics import agree_any, reduce_group_statistics, redu
 from ..records import LayerRecord
 from ..progress import progress_bar
 from ..surgery import swap_modules, undo_swaps
+from .across import fit_split
 from .layer import FitResult, built_weight, check_built, layer_seed
 
 RIDGE = 1e-2
@@ -270,7 +271,8 @@ def _fit_on_current_inputs(model: nn.Module, record: LayerRecord, fits: Dict[str
             handle.remove()
         recorder.last_input = None
     reduce_recorders([record], {record.name: recorder})
-    return record.strategy.fit(record, recorder, "svd", run.seeds[record.name], run.fit, run.shrinkage)
+    fitted = fit_split([record], lambda _, r: r.strategy.fit(r, recorder, "svd", run.seeds[r.name], run.fit, run.shrinkage))
+    return fitted[record.name]
 
 
 def _fit_group(model: nn.Module, group: List[LayerRecord], fits: Dict[str, FitResult], run: _Run) -> None:
@@ -289,8 +291,8 @@ def _fit_group(model: nn.Module, group: List[LayerRecord], fits: Dict[str, FitRe
             _fit_group(model, [record], fits, run)
         return
     reduce_group_statistics(stats)  # across processes: every rank's sums added in rank order
-    for record in group:
-        fits[record.name] = _fit_member(record, stats, run.seeds[record.name], run.fit, run.shrinkage)
+    fits.update(fit_split(group, lambda _, record: _fit_member(record, stats, run.seeds[record.name], run.fit,
+                                                               run.shrinkage)))  # across processes: one rank each
 
 
 def fit_sequentially(
