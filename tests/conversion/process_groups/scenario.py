@@ -2,6 +2,8 @@
 process and in every rank)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -41,3 +43,23 @@ def logits_score(model):
             return -float((converted(**probe).logits - reference).square().mean())
 
     return evaluate
+
+
+@contextlib.contextmanager
+def counting_fits(model, built: list):
+    """For the duration, each registered layer kind's ``build`` (called once per fit) appends the
+    dotted name in ``model`` of the layer it fits to ``built``."""
+    from panther_lite.conversion.kinds.registry import registered_kinds
+
+    names, kinds = {id(module): name for name, module in model.named_modules()}, registered_kinds()
+    for kind in kinds:
+        def build(module, *args, _original=kind.build, **kwargs):
+            built.append(names.get(id(module), "?"))
+            return _original(module, *args, **kwargs)
+
+        kind.build = build  # an instance attribute: shadows the method
+    try:
+        yield
+    finally:
+        for kind in kinds:
+            vars(kind).pop("build", None)

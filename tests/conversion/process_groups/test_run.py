@@ -1,6 +1,6 @@
 """``convert`` across processes (gloo on the CPU, ranks started by ``launch.py``): the model two
 processes give equals one process's within float64 summation-order rounding, for uniform,
-global and sequential fits; ``tune`` decides on process 0's score; options not distributed yet
+global and sequential fits, each layer fitted by one of the processes; ``tune`` decides on process 0's score; options not distributed yet
 raise naming themselves."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch import launch  # noqa: E402
-from outcomes import across, assert_same, one_process  # noqa: E402
+from outcomes import ATOL, RTOL, across, assert_same, one_process  # noqa: E402
+from scenario import batches, counting_fits, tiny_llama  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -51,6 +52,33 @@ def test_options_not_distributed_yet_are_refused_naming_them(tmp_path):
 def test_four_processes_give_the_one_process_model(tmp_path):
     options = dict(param_ratio=0.5)
     assert_same(one_process(options), across(4, options, tmp_path))
+
+
+def _fits_split_on_four_ranks(options: dict, out: Path) -> None:
+    import panther_lite
+
+    alone = dict(options)
+    model, built = tiny_llama(alone.pop("model", "llama")), []
+    with counting_fits(model, built):
+        panther_lite.convert(model, calibration_data=batches(), progress=False, **alone)
+    results = launch(4, dict(mode="count fits", **options), out)
+    for rank, (code, err) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    ranks = [torch.load(f"{out}.{rank}") for rank in range(4)]
+    assert sorted(name for found in ranks for name in found["built"]) == sorted(built)  # each layer fitted once
+    assert sum(bool(found["built"]) for found in ranks) > 1, [found["built"] for found in ranks]  # by several ranks
+    for found in ranks[1:]:
+        for name, tensor in ranks[0]["state"].items():
+            assert torch.equal(found["state"][name], tensor), name  # every rank swapped in the same fits
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][name], tensor, atol=ATOL, rtol=RTOL, msg=name)
+
+
+def test_four_processes_fit_each_layer_on_one_rank_and_hold_the_same_model(tmp_path):
+    cases = [dict(param_ratio=0.5), dict(param_ratio=0.5, allocation="global", sequential=True, shrinkage=0.1),
+             dict(model="mixtral", param_ratio=0.5, allocation="global", sequential=True)]
+    for index, options in enumerate(cases):
+        _fits_split_on_four_ranks(options, tmp_path / f"case{index}.pt")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

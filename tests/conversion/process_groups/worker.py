@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from scenario import batches, logits_score, tiny_llama  # noqa: E402
+from scenario import batches, counting_fits, logits_score, tiny_llama  # noqa: E402
 
 
 def _die_at_barrier(named: str) -> None:
@@ -128,6 +128,13 @@ def main() -> None:
         if rank == 0:
             torch.save({"state": model.state_dict(), "rows": report["calibration_rows"].fillna(-1).astype(int).tolist(),
                         "refinement": report.attrs.get("refinement")}, out)
+    elif mode == "count fits":  # every rank saves its model and the layers it fitted
+        import panther_lite
+
+        model, built = tiny_llama(options.pop("model", "llama")), []
+        with counting_fits(model, built):
+            panther_lite.convert(model, calibration_data=batches(options.pop("batches", 4)), progress=False, **options)
+        torch.save({"state": model.state_dict(), "built": built}, f"{out}.{rank}")
     elif mode == "distill":
         found = _distill(options)
         if rank == 0:
