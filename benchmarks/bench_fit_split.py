@@ -8,9 +8,11 @@ CPU threads they would have) and times each layer's fit; then the two ranks exch
 that block's size: a broadcast of all of them from rank 0 (one rank fits, the other receives), and
 an all-gather of half from each (the fits split in two and gathered). Medians of ``--repeats``.
 Splitting pays when ``fits × (1 − 1/world)`` exceeds the gather. One CSV (a row per layer, then
-the exchanges) in ``--output-dir``, with the machine and its load average.
+the exchanges) in ``--output-dir``, with the machine and its load average. ``--split``: instead,
+both ranks convert the block together, each fitting its share (``fit_split_ranks.csv``: each
+rank's fits and its wall time of the conversion).
 
-    python benchmarks/bench_fit_split.py --output-dir benchmarks/results/cpu
+    python benchmarks/bench_fit_split.py --output-dir benchmarks/results/cpu [--split]
 """
 from __future__ import annotations
 
@@ -80,6 +82,32 @@ def _exchange(total_bytes: int, repeats: int) -> dict:
     return {name: statistics.median(values) for name, values in timings.items()}
 
 
+def split_main(args: argparse.Namespace) -> None:
+    """Both ranks convert the block together (the fits split between them): each rank's fits, to
+    ``fit_split_ranks.csv`` (a row per fit with its rank; a layer appears once)."""
+    import pandas as pd
+    import torch
+    import torch.distributed as dist
+
+    from panther_lite.benchmark import device_name
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    started = time.perf_counter()
+    rows = _fits(args.batches, getattr(torch, args.dtype))
+    wall = time.perf_counter() - started
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, (rows, wall))
+    if dist.get_rank() == 0:
+        table = pd.DataFrame([(rank, *row, seconds) for rank, (rows, seconds) in enumerate(found) for row in rows],
+                             columns=["rank", "step", "shape", "seconds", "bytes", "convert_wall_s"])
+        table["machine"], table["load_1min"], table["dtype"] = device_name("cpu"), os.getloadavg()[0], args.dtype
+        table.to_csv(args.output_dir / "fit_split_ranks.csv", index=False)
+        print(table.to_string(index=False))
+        print(table.groupby("rank")["seconds"].sum().to_string())
+    dist.destroy_process_group()
+
+
 def rank_main(args: argparse.Namespace) -> None:
     import pandas as pd
     import torch
@@ -113,14 +141,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--split", action="store_true",
+                        help="instead: both ranks convert the block together, the fits split (fit_split_ranks.csv)")
     parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_worker:
-        rank_main(args)
+        (split_main if args.split else rank_main)(args)
         return
     args.output_dir.mkdir(parents=True, exist_ok=True)
     argv = [str(Path(__file__).resolve()), "--rank-worker", "--output-dir", str(args.output_dir), "--batches",
-            str(args.batches), "--dtype", args.dtype, "--threads", str(args.threads), "--repeats", str(args.repeats)]
+            str(args.batches), "--dtype", args.dtype, "--threads", str(args.threads), "--repeats", str(args.repeats)] + ["--split"] * args.split
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     subprocess.run([*launcher, *argv], check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
 
