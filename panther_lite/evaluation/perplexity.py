@@ -19,7 +19,7 @@ from torch import Tensor
 from ..conversion.calibration.batches import evaluation_run
 from ..conversion.progress import progress_bar
 from ..nn.validation import check_positive_int
-from .streamed import streamed_model
+from ..conversion.pipelines.streamed_model import streamed_model
 from .windows import Windows, token_windows
 
 __all__ = ["perplexity", "Perplexity", "DEFAULT_MAX_SEQ_LEN", "BATCH_TOKENS"]

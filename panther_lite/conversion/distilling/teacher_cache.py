@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ...evaluation.streamed import streamed_model
+from ..pipelines.streamed_model import streamed_model
 from ..calibration.batches import add_to_digest, evaluation_run, run_batch
 from ..config import configured
 from ..pipelines.blocks import without_kv_cache
@@ -148,7 +148,7 @@ def teacher_outputs(teacher, data, config: Optional[DistillConfig] = None, *, dt
     Args:
         teacher: the original model (run in eval mode under ``no_grad``; left as it was), or a
             transformers checkpoint directory (``save_pretrained``), run streamed block by block
-            (:func:`~panther_lite.evaluation.streamed.streamed_model`), never whole in memory.
+            (:func:`~panther_lite.conversion.pipelines.streamed_model.streamed_model`), never whole in memory.
         data: the batches ``distill`` will get (a list, as for ``distill``), on the teacher's
             device (the CPU for a directory).
         config: a :class:`~panther_lite.DistillConfig` (None: its defaults), the one ``distill``

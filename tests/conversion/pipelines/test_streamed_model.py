@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from panther_lite.conversion.pipelines.blocks import repeated_block_list
-from panther_lite.evaluation.streamed import streamed_model
+from panther_lite.conversion.pipelines.streamed_model import streamed_model
 
 pytest.importorskip("transformers")
 

@@ -13,11 +13,11 @@ from typing import Iterator, List, Optional
 import torch
 import torch.nn as nn
 
-from ..conversion.pipelines.blocks import BlockList, repeated_block_list
-from ..conversion.pipelines.skeleton_parts import SkeletonParts
-from ..conversion.saving.checkpoint_files import CheckpointFiles
-from ..conversion.saving.pretrained_format import PRETRAINED_CONFIG_NAME
-from ..conversion.saving.serialization import apply_conversion_config
+from .blocks import BlockList, repeated_block_list
+from .skeleton_parts import SkeletonParts
+from ..saving.checkpoint_files import CheckpointFiles
+from ..saving.pretrained_format import PRETRAINED_CONFIG_NAME
+from ..saving.serialization import apply_conversion_config
 
 __all__ = ["streamed_model"]
 
