@@ -54,3 +54,26 @@ def test_sensitivity_is_checked_by_the_config():
     with pytest.raises(ValueError, match="sensitivity"):
         ConvertConfig(param_ratio=0.5, allocation="global", sensitivity="fisher")
     assert ConvertConfig(param_ratio=0.5).sensitivity == "auto"
+
+
+@pytest.mark.parametrize("sensitivity", ["norm", "kl"])
+def test_the_configs_sensitivity_reaches_every_gain_measurement(sensitivity, monkeypatch):
+    """convert's block pipeline measures the blocks' gains and the layers' own gains in the
+    metric the config names (the blocks' outputs being hidden states, their inner probes fall
+    back to the norm whatever is asked)."""
+    import transformers
+
+    import panther_lite
+    from panther_lite.conversion.planning import sensitivity as module
+
+    asked = []
+    real = module.probe_output
+    monkeypatch.setattr(module, "probe_output", lambda output, mask, metric: asked.append(metric) or real(output, mask, metric))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=16)).eval()
+    batch = {"input_ids": torch.randint(0, 40, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+    panther_lite.convert(model, param_ratio=0.6, allocation="global", sensitivity=sensitivity,
+                         calibration_data=[batch], progress=False)
+    assert asked and set(asked) == {sensitivity}
