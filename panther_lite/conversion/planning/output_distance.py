@@ -55,6 +55,26 @@ def _real_rows(tensor: Tensor, mask: Optional[Tensor]) -> Tensor:
     return tensor.reshape(-1, tensor.shape[-1])
 
 
+# rows of logits per float64 softmax: a whole batch's (8 x 256 tokens x 49,152 words) would take 0.8 GB a copy
+ROW_CHUNK = 256
+
+
+def _row_chunks(rows: Tensor):
+    """``rows`` ``(rows, vocab)`` in chunks of :data:`ROW_CHUNK` rows (views)."""
+    return rows.split(ROW_CHUNK)
+
+
+def _sampled_fisher_rows(rows: Tensor, generator: torch.Generator) -> Tensor:
+    """``p − e_y`` for each row of logits ``(rows, vocab)``, ``p`` its softmax and ``y ~ p``: on the
+    CPU in ``rows``' dtype, computed in float64 a chunk of rows at a time."""
+    noise = torch.empty(rows.shape, dtype=rows.dtype)
+    for chunk, out in zip(_row_chunks(rows), _row_chunks(noise)):
+        probabilities = torch.softmax(chunk.double().cpu(), dim=-1)
+        drawn = torch.multinomial(probabilities, 1, generator=generator)
+        out.copy_(probabilities.scatter_add_(1, drawn, torch.full(drawn.shape, -1.0, dtype=torch.double)))
+    return noise
+
+
 @dataclass
 class OutputProbe:
     """The reference output of one batch (``tensor``; ``kl``: compared as next-token logits, else by
@@ -85,9 +105,12 @@ class OutputProbe:
         both ``δᵀ M δ`` to second order."""
         if not self.kl:
             return float((zero_padding(moved, self.mask) - zero_padding(self.tensor, self.mask)).double().norm() ** 2)
-        log_p = torch.log_softmax(_real_rows(self.tensor, self.mask).double(), dim=-1)
-        log_q = torch.log_softmax(_real_rows(moved, self.mask).double(), dim=-1)
-        return float(2 * (log_p.exp() * (log_p - log_q)).sum())
+        total = 0.0
+        for reference, other in zip(_row_chunks(_real_rows(self.tensor, self.mask)),
+                                    _row_chunks(_real_rows(moved, self.mask))):
+            log_p, log_q = torch.log_softmax(reference.double(), -1), torch.log_softmax(other.double(), -1)
+            total += float((log_p.exp() * (log_p - log_q)).sum())
+        return 2 * total
 
     def direction(self, generator: torch.Generator) -> Tensor:
         """A random ``u`` shaped like the output, zero at padded positions, with ``E[u uᵀ]`` the
@@ -96,10 +119,8 @@ class OutputProbe:
         if not self.kl:
             noise = torch.randn(self.tensor.shape, generator=generator)
         else:
-            probabilities = torch.softmax(self.tensor.detach().double().cpu(), dim=-1)
-            rows = probabilities.reshape(-1, probabilities.shape[-1])
-            drawn = torch.multinomial(rows, 1, generator=generator)
-            noise = (rows - torch.zeros_like(rows).scatter_(1, drawn, 1.0)).reshape(probabilities.shape)
+            rows = self.tensor.detach().reshape(-1, self.tensor.shape[-1])
+            noise = _sampled_fisher_rows(rows, generator).reshape(self.tensor.shape)
         return zero_padding(noise.to(self.tensor), self.mask)
 
 

@@ -53,3 +53,19 @@ def test_probe_output_takes_logits_when_present_unless_norm_is_asked():
     assert not plain.kl and plain.tensor is hidden
     assert probe_output({"ids": torch.ones(3, dtype=torch.long)}, None, "auto") is None
     assert first_tensor([torch.ones(2, dtype=torch.long), {"a": hidden}]) is hidden
+
+
+def test_kl_distance_and_directions_over_many_row_chunks_are_the_whole_batch_formulas():
+    from panther_lite.conversion.planning.output_distance import ROW_CHUNK
+
+    z, moved = _logits(0, (3, ROW_CHUNK + 37, 11)), _logits(1, (3, ROW_CHUNK + 37, 11))
+    mask = torch.ones(z.shape[:2], dtype=torch.bool)
+    mask[1, -50:] = False
+    expected = 2 * F.kl_div(F.log_softmax(moved[mask], -1), F.log_softmax(z[mask], -1), log_target=True, reduction="sum")
+    probe = OutputProbe(z, mask, kl=True)
+    assert abs(probe.distance(moved) - float(expected)) < 1e-9 * float(expected)
+    u = probe.direction(torch.Generator().manual_seed(0))
+    hit = torch.softmax(z, -1) - u  # e_y at the real tokens: one entry 1, the rest 0
+    torch.testing.assert_close(hit[mask].sum(-1), torch.ones(int(mask.sum()), dtype=torch.float64))
+    assert ((hit[mask] - 1).abs() < 1e-12).sum(-1).eq(1).all()
+    assert u[~mask].abs().sum() == 0
