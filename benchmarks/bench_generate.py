@@ -19,12 +19,16 @@ models alternating, after one warm-up of each:
 - ``prefill``: one forward of a ``--prompt``-token prompt (batch 1, the cache built as ``generate``
   builds it).
 
-Medians of ``--repeats`` runs with their min and max. Targets: decode speed-up >= 0.8 x the
+Medians of ``--repeats`` runs with their min and max. ``--clock cpu`` times with the process's CPU
+time instead of the wall clock: on a machine shared with other jobs a single-threaded run
+(``--threads 1``) then leaves out the time it waits for a core (it still shares caches and memory
+bandwidth); with more threads it would add their times up, so it needs ``--threads 1``. Targets: decode speed-up >= 0.8 x the
 parameter-bytes ratio (dense bytes / compressed bytes, U buffers included), prefill speed-up >=
 0.8 x the FLOP ratio (matmul FLOPs per token: linear layers and lm_head; attention scores left out).
 
     python benchmarks/bench_generate.py --threads 1 --output-dir benchmarks/results/cpu
     python benchmarks/bench_generate.py --model smollm2 --threads 1 --output-dir benchmarks/results/cpu
+    python benchmarks/bench_generate.py --model smollm2 --dtype bfloat16 --threads 1 --clock cpu --repeats 9
     python benchmarks/bench_generate.py --layers 1 --prompt 32 --new-tokens 4 --repeats 1   # seconds
 """
 from __future__ import annotations
@@ -106,10 +110,13 @@ def matmul_flops_per_token(model) -> int:
     return 2 * total
 
 
-def _seconds(fn) -> float:
-    started = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _seconds(fn, clock: str) -> float:
+    started = CLOCKS[clock]()
     fn()
-    return time.perf_counter() - started
+    return CLOCKS[clock]() - started
 
 
 def _generate(model, prompt: torch.Tensor, new_tokens: int) -> None:
@@ -123,9 +130,9 @@ def measure(model, args) -> dict:
     short = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
     long = torch.randint(0, vocab, (1, args.prompt), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        full = _seconds(lambda: _generate(model, short, args.new_tokens))
-        first = _seconds(lambda: _generate(model, short, 1))
-        prefill = _seconds(lambda: model(input_ids=long, use_cache=True))
+        full = _seconds(lambda: _generate(model, short, args.new_tokens), args.clock)
+        first = _seconds(lambda: _generate(model, short, 1), args.clock)
+        prefill = _seconds(lambda: model(input_ids=long, use_cache=True), args.clock)
     return dict(decode=(full - first) / (args.new_tokens - 1), prefill=prefill)
 
 
@@ -161,8 +168,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                        help="wall: elapsed time; cpu: the process's CPU time (needs --threads 1)")
     parser.add_argument("--output-dir", type=Path, default=Path("benchmarks/out"))
     args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu needs --threads 1 (CPU time adds up the threads' times)")
     default_ratio, default_dtype = DEFAULTS[args.model]
     args.param_ratio, args.dtype = args.param_ratio or default_ratio, args.dtype or default_dtype
     return args
@@ -190,7 +201,7 @@ def table(variants: dict, runs: dict, ratios: dict, args) -> pd.DataFrame:
         df.loc[rows, "ratio"], df.loc[rows, "target"] = ratio, 0.8 * ratio
     df["layers"] = variants["dense"].config.num_hidden_layers
     df["dtype"], df["prompt"], df["new_tokens"] = args.dtype, args.prompt, args.new_tokens
-    df["param_ratio"] = args.param_ratio
+    df["param_ratio"], df["clock"] = args.param_ratio, args.clock
     df["machine"] = f"{device_name('cpu')}, {os.cpu_count()} cores"
     return df
 
@@ -214,7 +225,8 @@ def main(argv=None) -> None:
     print(df.to_string(), flush=True)
     shape = (f"TinyLlama shape, {args.layers} layers" if args.model == "tinyllama"
              else f"SmolLM2-135M ({df['layers'][0]} layers, tied lm_head)")
-    title = f"{shape}, {args.dtype}, param_ratio {args.param_ratio}: {df['machine'][0]}, load {df['load'][0]}"
+    title = (f"{shape}, {args.dtype}, param_ratio {args.param_ratio}: {df['machine'][0]}, load {df['load'][0]}, "
+             f"{args.clock} clock")
     _plot(df, ratios, args.output_dir / f"{stem}.png", title)
 
 

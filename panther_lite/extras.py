@@ -9,7 +9,7 @@ import logging
 from types import ModuleType
 from typing import Iterator
 
-__all__ = ["EXTRAS", "require", "quiet_optional_imports"]
+__all__ = ["EXTRAS", "require", "quiet_loggers", "quiet_optional_imports"]
 
 # top-level module -> the extra that installs it (None: a dependency of panther_lite itself)
 EXTRAS = {
@@ -54,11 +54,16 @@ _NOISY_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 @contextlib.contextmanager
-def quiet_optional_imports() -> Iterator[None]:
-    """Within the block, optional packages' load-time warnings (listed above) are not logged;
-    errors still are. For panther_lite's own programs (the command, scripts, tutorials): the
-    loggers are put back as they were, so a library user's logging is never changed."""
-    loggers = [logging.getLogger(name) for name in _NOISY_IMPORT_LOGGERS]
+def quiet_loggers(*names: str) -> Iterator[None]:
+    """Within the block the loggers ``names`` log errors only; then their levels are put back
+    as they were, so a library user's logging is never changed.
+
+    Example::
+
+        with quiet_loggers("torchao"):
+            import torchao   # its load-time warnings are not logged
+    """
+    loggers = [logging.getLogger(name) for name in names]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
@@ -67,3 +72,9 @@ def quiet_optional_imports() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+
+
+def quiet_optional_imports() -> contextlib.AbstractContextManager:
+    """Within the block, optional packages' load-time warnings (listed above) are not logged;
+    errors still are. For panther_lite's own programs (the command, scripts, tutorials)."""
+    return quiet_loggers(*_NOISY_IMPORT_LOGGERS)

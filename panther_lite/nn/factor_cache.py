@@ -10,7 +10,9 @@ or a new ``.data`` tensor invalidates it. Writes through ``param.data.<op>_()`` 
 optimizer bypass the version counter (that is what ``.data`` is for): call
 :func:`clear_factor_cache` after them.
 
-Memory: one copy of each layer's factors (its stored size) per layer run without grad.
+Memory: one copy of each layer's factors (its stored size) per layer run without grad. With
+``packed=True`` (bfloat16 on CPU) the copy is held prepacked for oneDNN
+(:mod:`~panther_lite.nn.onednn_packing`), the same size, instead of as plain concatenations.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from torch import Tensor
 
 from . import change_detection
 from .factor_layout import LEFT, RIGHT, concatenated_factors
+from .onednn_packing import pack
 
 __all__ = ["clear_factor_cache", "concatenate_factors", "stacked_factors"]
 
@@ -58,13 +61,23 @@ def concatenate_factors(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: f
         return concatenated_factors(S1, U2, LEFT), concatenated_factors(U1, S2, RIGHT).mul_(scale)
 
 
-def stacked_factors(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
+def stacked_factors(
+    S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float, packed: bool = False
+) -> Tuple[Tensor, Tensor]:
     """``([S1 | U2], scale·[U1; S2])`` of shapes ``(*, in, 2R)`` and ``(*, 2R, out)``, cached
     while the factors are unchanged, so ``y = (x·left)·right`` is two GEMMs whose products
-    are already at the output's scale. Inference tensors (no version counter) are never
-    cached."""
+    are already at the output's scale. ``packed`` (2-D bfloat16 CPU factors): both held
+    prepacked by :func:`~panther_lite.nn.onednn_packing.pack` (``left.is_mkldnn``) for
+    :func:`~panther_lite.nn.onednn_packing.packed_product`. Inference tensors (no version
+    counter) are never cached, nor packed.
+
+    Example::
+
+        left, right = stacked_factors(S1, U1, U2, S2, scale)   # (in, 2R), (2R, out)
+        y = x @ left @ right                                    # x (rows, in) -> (rows, out)
+    """
     try:
-        signature = _signature(S1, U1, U2, S2, scale)
+        signature = _signature(S1, U1, U2, S2, scale) + (packed,)
     except RuntimeError:  # an inference tensor: "Inference tensors do not track version counter"
         return concatenate_factors(S1, U1, U2, S2, scale)
     key = id(S1)
@@ -74,6 +87,8 @@ def stacked_factors(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float
         if s1_ref() is S1 and u1_ref() is U1 and u2_ref() is U2 and s2_ref() is S2:
             return entry.left, entry.right
     left, right = concatenate_factors(S1, U1, U2, S2, scale)
+    if packed:
+        left, right = pack(left), pack(right)
     refs = (weakref.ref(S1, lambda _: _CACHE.pop(key, None)), weakref.ref(U1), weakref.ref(U2), weakref.ref(S2))
     _CACHE[key] = _Entry(refs, signature, left, right)
     return left, right

@@ -22,6 +22,9 @@ product (never a per-term ``L × batch × out`` temporary):
   with the concatenated factors ``[S1 | U2]`` and ``scale·[U1; S2]`` cached per layer
   (:mod:`~panther_lite.nn.factor_cache`), so a call is two GEMM launches and little host
   time (operands cast per call, e.g. under autocast, take the op's two schedules uncached).
+  In bfloat16 on CPU the cached factors are prepacked for oneDNN and the two products skip
+  the per-call setup of ``torch.mm`` (:mod:`~panther_lite.nn.onednn_packing`), which at
+  small widths costs more than the product itself.
   Layers whose factors take more than ``CACHE_MAX_BYTES`` are not cached and take the op's
   two schedules: a cached copy of every layer would double a large model's memory at
   inference, and at that size the GEMMs, not the host time, set the speed;
@@ -49,6 +52,7 @@ from torch._C._functorch import peek_interpreter_stack
 from torch.autograd import forward_ad
 
 from .factor_cache import clear_factor_cache, stacked_factors
+from .onednn_packing import packable, packed_product
 
 __all__ = ["sketched_linear", "clear_factor_cache"]
 
@@ -305,9 +309,12 @@ def _no_grad_product(
     x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float, cacheable: bool
 ) -> Tensor:
     """Plain GEMMs, no autograd: two with the cached stacked factors (layers up to
-    ``CACHE_MAX_BYTES``), else either schedule."""
+    ``CACHE_MAX_BYTES``; prepacked for oneDNN in bfloat16 on CPU), else either schedule."""
     if cacheable and 2 * (S1.numel() + S2.numel()) * S1.element_size() <= CACHE_MAX_BYTES:
-        left, right = stacked_factors(S1, U1, U2, S2, scale)
+        packed = packable(S1) and x.dtype == S1.dtype and (bias is None or bias.dtype == S1.dtype)
+        left, right = stacked_factors(S1, U1, U2, S2, scale, packed)
+        if left.is_mkldnn:
+            return packed_product(packed_product(x, left, None), right, bias)
         hidden = torch.mm(x, left)
         return torch.mm(hidden, right) if bias is None else torch.addmm(bias, hidden, right)
     if _stacked(x.shape[0], S1.shape[1]):

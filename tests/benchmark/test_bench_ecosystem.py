@@ -46,8 +46,11 @@ def test_generate_times_dense_and_compressed_in_one_run(tmp_path, load_script, m
     monkeypatch.setattr(bench, "SHAPE", dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                              num_key_value_heads=2, vocab_size=100))
     bench.main(["--layers", "1", "--prompt", "8", "--new-tokens", "3", "--repeats", "2", "--threads", "1",
-                "--output-dir", str(tmp_path)])
+                "--clock", "cpu", "--output-dir", str(tmp_path)])
     df = pd.read_csv(tmp_path / "generate.csv")
+    assert (df["clock"] == "cpu").all()
+    with pytest.raises(SystemExit):  # CPU time adds up the threads' times: one thread only
+        bench.parse_args(["--clock", "cpu", "--threads", "2"])
     assert sorted(zip(df["measure"], df["model"])) == [
         (measure, model) for measure in ("decode", "prefill") for model in ("compressed", "decode layout", "dense")]
     assert (df["runs"] == 2).all() and (df["min_s"] <= df["median_s"]).all() and (df["median_s"] <= df["max_s"]).all()

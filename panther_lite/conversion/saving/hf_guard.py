@@ -5,11 +5,14 @@ transformers only warns about an unknown ``quant_method`` and then initialises e
 dense weight at random. So each ``config.json`` recording a panther_lite conversion also names
 a weights file that transformers refuses with a ValueError quoting it
 (``"transformers_weights": "panther_lite output: import panther_lite before from_pretrained"``);
-the plugin lifts the guard before transformers looks for the weights.
+the plugin lifts the guard before transformers looks for the weights. transformers' own
+``config.save_pretrained`` drops that key, so a model the plugin loaded saves through
+:func:`keep_guard_on_save`, which writes the guard again after transformers' save.
 
 Example::
 
     guard_saved_configs(directory)      # after writing config.json files under directory
+    keep_guard_on_save(model)           # model.save_pretrained(out2) writes it too
     # transformers alone: ValueError "...(*.safetensors.index.json): panther_lite output: import panther_lite ..."
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["GUARD_KEY", "GUARD", "guard_saved_configs", "lift_guard"]
+__all__ = ["GUARD_KEY", "GUARD", "guard_saved_configs", "keep_guard_on_save", "lift_guard"]
 
 GUARD_KEY = "transformers_weights"
 GUARD = "panther_lite output: import panther_lite before from_pretrained (pip install panther_lite)"
@@ -39,3 +42,30 @@ def lift_guard(config) -> None:
     """Remove the guard from a loaded transformers ``config`` (the real weights files load)."""
     if getattr(config, GUARD_KEY, None) == GUARD:
         delattr(config, GUARD_KEY)
+
+
+class _GuardedSave:
+    """``model.save_pretrained`` of one model instance: transformers' own (its class's), then
+    :func:`guard_saved_configs` on what it wrote. A plain object (not a bound method), so the
+    model still pickles and deep-copies (the copy's save is bound to the copy)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __call__(self, save_directory, *args, **kwargs):
+        result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+        guard_saved_configs(Path(save_directory))
+        return result
+
+
+def keep_guard_on_save(model) -> None:
+    """Make ``model.save_pretrained(out2)`` (transformers', on this instance: ``Trainer``,
+    ``push_to_hub`` and sentence-transformers' ``save`` call it too) keep the guard in the
+    ``config.json`` files it writes, which transformers' config saving strips.
+
+    Example::
+
+        model = AutoModelForCausalLM.from_pretrained(out)   # the plugin calls keep_guard_on_save
+        model.save_pretrained(out2)   # out2/config.json guarded: transformers alone refuses it
+    """
+    model.save_pretrained = _GuardedSave(model)

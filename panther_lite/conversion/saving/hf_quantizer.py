@@ -27,7 +27,7 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .hf_guard import lift_guard
+from .hf_guard import keep_guard_on_save, lift_guard
 from .serialization import CONFIG_FORMAT, apply_conversion_config
 
 __all__ = ["QUANT_METHOD", "PantherLiteConfig", "PantherLiteHfQuantizer", "register"]
@@ -88,6 +88,11 @@ class PantherLiteHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         apply_conversion_config(model, self.quantization_config.conversion)
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        """The loaded model's ``save_pretrained`` keeps the guard (:func:`.hf_guard.keep_guard_on_save`)."""
+        keep_guard_on_save(model)
         return model
 
     def is_serializable(self) -> bool:

@@ -18,7 +18,6 @@ builds the sketched layers too (the same plugin).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import warnings
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Tuple
 import torch
 import torch.nn as nn
 
-from ...extras import require
+from ...extras import quiet_loggers, require
 from .pretrained_format import (
     FORMAT, HF_CONFIG_KEY, PRETRAINED_CONFIG_NAME, SENTENCE_TRANSFORMERS, STATE_DICT, TRANSFORMERS, VERSION, PathLike,
     hf_submodels, pretrained_model_class, relative_config, sentence_transformer_classes,
@@ -116,18 +115,13 @@ def _check_sketched_keys_loaded(conversion: Mapping, missing_keys, directory: Pa
         raise ValueError(f"{str(directory)!r} lacks the weights of sketched layers: {', '.join(missing[:5])}")
 
 
-@contextlib.contextmanager
-def _transformers_load_report_silenced() -> Iterator[None]:
+def _transformers_load_report_silenced() -> contextlib.AbstractContextManager:
     """Hide transformers' load report while sentence-transformers loads the dense layout: it
     would list every sketched tensor as unexpected and its dense weight as missing, which is
-    expected here; :func:`_load_sketched_layers` checks the loading instead."""
-    logger = logging.getLogger("transformers.modeling_utils")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    expected here; :func:`_load_sketched_layers` checks the loading instead. transformers checks
+    its tensor-parallel plan whenever its loader logs at WARNING or above, and would then list
+    every layer of a model without one as "not sharded": that logger is quieted too."""
+    return quiet_loggers("transformers.modeling_utils", "transformers.distributed.tensor_parallel")
 
 
 def _load_sketched_layers(sub: nn.Module, relative: Mapping, directory: Path) -> None:

@@ -2,11 +2,12 @@
 builds the sketched layers of a panther_lite output (LLaMA tied/untied, BERT, Mixtral experts, a
 frozen model, float32 and bfloat16, outputs of ``convert`` + ``save_pretrained`` and of
 ``compress_checkpoint`` streamed and in memory) with outputs equal to ``panther_lite.from_pretrained``;
-the loaded model saves, trains and reloads; outputs of earlier versions still load; without
+the loaded model saves, trains and reloads, and its transformers re-save stays guarded; outputs of earlier versions still load; without
 panther_lite transformers fails loudly instead of loading random weights; importing panther_lite
 does not import transformers."""
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -181,15 +182,33 @@ def _run(code: str) -> subprocess.CompletedProcess:
                           env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
 
 
-def test_without_panther_lite_transformers_fails_loudly_instead_of_loading_random_weights(tmp_path):
-    panther_lite.save_pretrained(_converted(_llama), tmp_path)
+def _assert_transformers_alone_refuses(directory: Path) -> None:
+    """A fresh process loading ``directory`` without panther_lite fails with the guard's ValueError."""
     result = _run(
         "import sys, transformers\n"
-        f"transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})\n"
+        f"transformers.AutoModelForCausalLM.from_pretrained({str(directory)!r})\n"
         "print('LOADED', 'panther_lite' in sys.modules)"
     )
     assert result.returncode != 0 and "LOADED" not in result.stdout
     assert "ValueError" in result.stderr and GUARD in result.stderr
+
+
+def test_without_panther_lite_transformers_fails_loudly_instead_of_loading_random_weights(tmp_path):
+    panther_lite.save_pretrained(_converted(_llama), tmp_path)
+    _assert_transformers_alone_refuses(tmp_path)
+
+
+def test_a_transformers_resave_of_the_loaded_model_keeps_failing_loudly_without_panther_lite(tmp_path):
+    model = _converted(_llama)
+    panther_lite.save_pretrained(model, tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    loaded.save_pretrained(tmp_path / "again")  # transformers' own save, which drops the config's guard
+    copy.deepcopy(loaded).save_pretrained(tmp_path / "copy")  # the copy saves through its own instance
+    for again in (tmp_path / "again", tmp_path / "copy"):
+        assert json.loads((again / "config.json").read_text())[GUARD_KEY] == GUARD
+        assert torch.equal(_logits(transformers.AutoModelForCausalLM.from_pretrained(again), _ids()),
+                           _logits(model, _ids()))
+    _assert_transformers_alone_refuses(tmp_path / "again")
 
 
 def test_importing_panther_lite_registers_the_plugin_when_transformers_loads_later(tmp_path):
