@@ -120,11 +120,6 @@ def test_a_one_process_run_resumes_on_two_processes(tmp_path, monkeypatch):
     _assert_same_output(tmp_path / "alone", out)
 
 
-def test_four_processes_stream_the_one_process_checkpoint(tmp_path):
-    tiny_llama().save_pretrained(tmp_path / "source")
-    _stream_alone_and_across(4, tmp_path / "source", tmp_path, dict(param_ratio=0.5))
-
-
 def _save_under_the_model_names(model, directory: Path) -> None:
     """``model``'s checkpoint with its own tensor names (transformers writes Mixtral's experts in
     the legacy per-expert layout, which only loading the model whole reads); a tied tensor once."""
@@ -145,6 +140,20 @@ def _save_under_the_model_names(model, directory: Path) -> None:
 def test_two_processes_stream_a_mixture_of_experts_checkpoint(options, tmp_path):
     _save_under_the_model_names(tiny_llama("mixtral"), tmp_path / "source")
     _stream_alone_and_across(2, tmp_path / "source", tmp_path, options)
+
+
+@pytest.mark.parametrize("model, options", [
+    ("llama", dict(param_ratio=0.5)),
+    ("llama", STREAMED),
+    ("mixtral", dict(param_ratio=0.5, allocation="global", sequential=True)),
+], ids=["uniform", "global-sequential", "mixtral-global-sequential"])
+def test_four_processes_stream_the_one_process_checkpoint(model, options, tmp_path):
+    """4 ranks of 4 batches: one batch each, so every sum gathers all four ranks (ATOL, RTOL above)."""
+    if model == "mixtral":
+        _save_under_the_model_names(tiny_llama("mixtral"), tmp_path / "source")
+    else:
+        tiny_llama().save_pretrained(tmp_path / "source")
+    _stream_alone_and_across(4, tmp_path / "source", tmp_path, options)
 
 
 def test_two_processes_stream_and_refine_the_one_process_checkpoint(tmp_path):
