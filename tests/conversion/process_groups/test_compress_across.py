@@ -148,7 +148,7 @@ def test_a_one_process_run_resumes_on_two_processes(tmp_path, monkeypatch):
 
 def _save_under_the_model_names(model, directory: Path) -> None:
     """``model``'s checkpoint with its own tensor names (transformers writes Mixtral's experts in
-    the legacy per-expert layout, which only loading the model whole reads); a tied tensor once."""
+    the per-expert layout, which streams too: the 4-process test reads that one); a tied tensor once."""
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(directory)
     tensors, seen = {}, set()
@@ -175,10 +175,7 @@ def test_two_processes_stream_a_mixture_of_experts_checkpoint(options, tmp_path)
 ], ids=["uniform", "global-sequential", "mixtral-global-sequential"])
 def test_four_processes_stream_the_one_process_checkpoint(model, options, tmp_path):
     """4 ranks of 4 batches: one batch each, so every sum gathers all four ranks (ATOL, RTOL above)."""
-    if model == "mixtral":
-        _save_under_the_model_names(tiny_llama("mixtral"), tmp_path / "source")
-    else:
-        tiny_llama().save_pretrained(tmp_path / "source")
+    tiny_llama(model).save_pretrained(tmp_path / "source")  # Mixtral: the per-expert layout on disk
     _stream_alone_and_across(4, tmp_path / "source", tmp_path, options)
 
 
