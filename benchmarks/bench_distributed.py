@@ -8,16 +8,17 @@ the blocks itself; rank 0 writes).
 Each world size runs in fresh processes (``python -m torch.distributed.run --standalone``); each
 rank reports the wall time of its ``convert`` and its peak resident memory (the kernel's
 high-water mark, so the model's own copy included: every rank holds the whole model), with the
-machine and its 1-minute load average at the end. One CSV (a row per world size and rank) and one PNG (time and peak memory against the processes) in
-``--output-dir``. The fits run on every rank, so what the processes share is the calibration:
-the speed-up is that of the forward passes, the exchange costs ``N × Σ fan_in² × 8`` bytes per
-block received per rank (``docs/large_models.rst``).
+machine and its 1-minute load average at the end, and ``--note`` (the run's conditions). One CSV
+(a row per world size and rank) and one PNG (time and peak memory against the processes) in
+``--output-dir``. The processes share the calibration (each runs its batches) and the fits (each
+layer fitted by one rank, ``conversion/fitting/across.py``); the exchange costs
+``N × Σ fan_in² × 8`` bytes per block received per rank (``docs/large_models.rst``).
 
     python benchmarks/bench_distributed.py --output-dir benchmarks/results/cpu
     python benchmarks/bench_distributed.py --quick        # a tiny model, seconds
     python benchmarks/bench_distributed.py --layers 4     # fewer TinyLlama blocks
     python benchmarks/bench_distributed.py --streamed --layers 4 --hidden 512 --worlds 1 2
-    python benchmarks/bench_distributed.py --streamed --layers 4 --name distributed_tinyllama4
+    python benchmarks/bench_distributed.py --streamed --layers 4 --name distributed_tinyllama4 --note "..."
 """
 from __future__ import annotations
 
@@ -78,14 +79,14 @@ def rank_main(args: argparse.Namespace) -> None:
     rank = dist.get_rank() if world > 1 else 0
     with open(args.record, "a", encoding="utf-8") as record:
         record.write(json.dumps(dict(world=world, rank=rank, seconds=seconds, peak_gb=peak_gb, machine=device_name("cpu"),
-                                     load_1min=os.getloadavg()[0])) + "\n")
+                                     load_1min=os.getloadavg()[0], note=args.note)) + "\n")
     if world > 1:
         dist.destroy_process_group()
 
 
 def _run_world(world: int, args: argparse.Namespace, record: Path) -> None:
     argv = [str(Path(__file__).resolve()), "--rank-worker", "--record", str(record), "--batches", str(args.batches),
-            "--layers", str(args.layers), "--hidden", str(args.hidden), "--threads", str(args.threads),
+            "--layers", str(args.layers), "--hidden", str(args.hidden), "--threads", str(args.threads), "--note", args.note,
             *(["--quick"] if args.quick else []), *(["--source", str(args.source)] if args.source else [])]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -99,11 +100,14 @@ def _plot(table, path: Path, streamed: bool) -> None:
     import matplotlib.pyplot as plt
 
     figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(9, 3.5))
-    summary = table.groupby("world").agg(seconds=("seconds", "max"), peak_gb=("peak_gb", "max"))
+    summary = table.groupby("world").agg(seconds=("seconds", "max"), peak_gb=("peak_gb", "max"), load=("load_1min", "max"))
     time_axis.plot(summary.index, summary["seconds"], marker="o")
-    time_axis.set(xlabel="processes", ylabel="convert wall time, slowest rank (s)", xticks=list(summary.index))
+    for world, row in summary.iterrows():  # the machine's load beside each point: the runs share it
+        time_axis.annotate(f"load {row['load']:.1f}", (world, row["seconds"]), textcoords="offset points", xytext=(4, -12))
+    time_axis.set(xlabel="processes", ylabel="convert wall time, slowest rank (s)", xticks=list(summary.index), ylim=(0, None))
     memory_axis.plot(summary.index, summary["peak_gb"], marker="o")
-    memory_axis.set(xlabel="processes", ylabel="peak resident memory per rank (GB)", xticks=list(summary.index))
+    memory_axis.set(xlabel="processes", ylabel="peak resident memory per rank (GB)", xticks=list(summary.index),
+                    ylim=(0, None))
     figure.suptitle(f"panther_lite.{'compress_checkpoint (streamed)' if streamed else 'convert'} across processes "
                     "(gloo, CPU)")
     figure.tight_layout()
@@ -122,6 +126,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=8, help="calibration batches of 2 sequences (default 8)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS))
+    parser.add_argument("--note", default="", help="the run's conditions (cores, other work), a CSV column")
     parser.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

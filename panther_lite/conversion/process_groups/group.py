@@ -14,22 +14,40 @@ __all__ = ["DistributedError", "ProcessGroupRun", "active_run", "running_on"]
 
 
 class DistributedError(RuntimeError):
-    """A collective of a conversion across processes failed (a rank died or timed out)."""
+    """A collective of a conversion across processes failed (a rank died or timed out); ``what``
+    names the collective (e.g. "barrier (the hidden states after block 1 written)")."""
+
+    def __init__(self, message: str, what: str = "exchange") -> None:
+        super().__init__(message)
+        self.what = what
 
 
 class ProcessGroupRun:
     """One conversion's process group: ``rank`` and ``world`` in it, and its collectives.
-    Tensors travel on the backend's device (CUDA for NCCL, the CPU otherwise)."""
+    Tensors travel on the backend's device (CUDA for NCCL, the CPU otherwise). ``owned``: a group
+    the conversion made for itself (:func:`~.own_group.owned_copy`), which :meth:`close` destroys."""
 
-    def __init__(self, group=None) -> None:
+    def __init__(self, group=None, owned: bool = False) -> None:
         import torch.distributed as dist
 
-        self.dist, self.group = dist, group
+        self.dist, self.group, self.owned, self.closed = dist, group, owned, False
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         backend = str(dist.get_backend(group)).lower()
         self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
 
+    def close(self) -> None:
+        """An owned group destroyed and let go, which closes its connections: a collective another
+        rank waits in on this one fails at once; this run's later collectives raise. A group the
+        caller gave (or the default one) is left as it is."""
+        if self.owned and not self.closed:
+            self.closed, group, self.group = True, self.group, None
+            if self.dist.is_initialized():
+                self.dist.destroy_process_group(group)
+
     def _collective(self, what: str, call):
+        if self.closed:
+            raise DistributedError(f"panther_lite: the {what} across {self.world} processes: the run's process "
+                                   "group was closed after a failure", what)
         try:
             return call()
         except Exception as error:  # gloo/NCCL raise RuntimeError (DistBackendError) on a lost peer or a timeout
@@ -37,7 +55,7 @@ class ProcessGroupRun:
             raise DistributedError(
                 f"panther_lite: the {what} across {self.world} processes failed on rank {self.rank} "
                 f"({first}); another rank stopped or timed out (see its log). A compress_checkpoint run leaves "
-                "its staging directory: rerun with resume=True (--resume)"
+                "its staging directory: rerun with resume=True (--resume)", what
             ) from error
 
     def sum_in_rank_order(self, tensors: Sequence[Tensor], what: str) -> List[Tensor]:

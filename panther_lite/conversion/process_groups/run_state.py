@@ -1,6 +1,7 @@
 """A resumable ``compress_checkpoint`` run's state as every process of a run across processes
 sees it: rank 0 holds the staging directory (its lock, manifest, plan, progress and the output's
-parts) and announces it, or the error that stopped it, to the others; each rank keeps its own
+parts) and announces it, or the error that stopped it, to the others (an error later in the run,
+on any rank, is told through the store: :mod:`.failures`); each rank keeps its own
 batches' hidden states and captured calls beside rank 0's, in the same resume directory (so the
 staging directory must lie on a filesystem every process sees: always so on one machine).
 
@@ -16,6 +17,7 @@ from typing import Any, Dict, Iterator, Optional
 
 from ..saving.resume_state import RunFiles, RunState
 from ..saving.stream_shards import save_shard
+from .failures import FailureNotes
 from .group import ProcessGroupRun
 
 __all__ = ["Announcement", "SharedRunState", "announcing", "await_staging"]
@@ -26,33 +28,40 @@ _TOKEN = "processes.token"
 class Announcement:
     """Rank 0's word to the others on how its setup went: :meth:`ready` (the staging directory, which
     they then check they see when the pipeline is ``streamed``) or, on an error before that, the
-    error (:func:`announcing`). In one process it does nothing."""
+    error (:func:`announcing`); an error after it goes through the run's
+    :class:`~.failures.FailureNotes`. In one process it does nothing."""
 
     def __init__(self, run: Optional[ProcessGroupRun], streamed: bool) -> None:
         self.run, self.streamed, self.sent = run, streamed, run is None
+        self.notes: Optional[FailureNotes] = None
 
     def ready(self, state: RunState):
         """``state`` as this run uses it (across processes: a :class:`SharedRunState`), announced."""
         if self.run is None:
             return state
-        token = secrets.token_hex(8) if self.streamed else None
-        if token is not None:
+        token = secrets.token_hex(8)
+        if self.streamed:
             state.scratch(_TOKEN).write_text(token)
-        self.sent = True
+        self.notes, self.sent = FailureNotes(self.run, token), True
         self.run.from_first((str(state.root), token), "the staging directory")
         if self.streamed:
             _agree_seen(self.run, None)
-        return SharedRunState(self.run, state, state)
+        return SharedRunState(self.run, state, self.notes, state)
 
     def failed(self, error: BaseException) -> None:
+        """``error`` ends rank 0's run: sent to the others before :meth:`ready`, told after it
+        (another rank's told failure behind it raised as :class:`~.failures.RankFailed`)."""
         if not self.sent:
             self.sent = True
             self.run.from_first((None, f"{type(error).__name__}: {error}"), "rank 0's error")
+        elif self.run is not None:
+            self.notes.handle(error)
 
 
 @contextlib.contextmanager
 def announcing(run: Optional[ProcessGroupRun], streamed: bool) -> Iterator[Announcement]:
-    """Rank 0's setup: an error raised before :meth:`Announcement.ready` is sent to the others too."""
+    """Rank 0's run: an error raised before :meth:`Announcement.ready` is sent to the others too,
+    one raised after it told (:meth:`Announcement.failed`)."""
     announcement = Announcement(run, streamed)
     try:
         yield announcement
@@ -63,8 +72,8 @@ def announcing(run: Optional[ProcessGroupRun], streamed: bool) -> Iterator[Annou
 
 def await_staging(run: ProcessGroupRun, streamed: bool) -> "SharedRunState":
     """A rank other than 0: the run state in the resume directory rank 0 announced (checked that
-    this process sees it when ``streamed``); rank 0's error when it stopped first (RuntimeError
-    quoting it)."""
+    this process sees it when ``streamed``), its run's failure notes
+    (:attr:`SharedRunState.notes`); rank 0's error when it stopped first (RuntimeError quoting it)."""
     root, token = run.from_first(None, "the staging directory")
     if root is None:
         raise RuntimeError(f"compress_checkpoint across {run.world} processes: rank 0 stopped: {token}")
@@ -73,7 +82,7 @@ def await_staging(run: ProcessGroupRun, streamed: bool) -> "SharedRunState":
         path = files.scratch(_TOKEN)
         seen = path.is_file() and path.read_text() == token
         _agree_seen(run, None if seen else f"process {run.rank} does not see rank 0's staging directory {root!r}")
-    return SharedRunState(run, files)
+    return SharedRunState(run, files, FailureNotes(run, token))
 
 
 def _agree_seen(run: ProcessGroupRun, problem: Optional[str]) -> None:
@@ -89,10 +98,12 @@ def _agree_seen(run: ProcessGroupRun, problem: Optional[str]) -> None:
 class SharedRunState:
     """:class:`~panther_lite.conversion.saving.resume_state.RunState`'s interface across the
     processes of ``run``: ``state`` on rank 0 (which alone writes the output, the plan and the
-    progress), ``files`` (its resume directory) on every rank."""
+    progress), ``files`` (its resume directory) on every rank, and ``notes``, the run's
+    :class:`~.failures.FailureNotes`."""
 
-    def __init__(self, run: ProcessGroupRun, files: RunFiles, state: Optional[RunState] = None) -> None:
-        self.run, self.files, self.state = run, files, state
+    def __init__(self, run: ProcessGroupRun, files: RunFiles, notes: FailureNotes,
+                 state: Optional[RunState] = None) -> None:
+        self.run, self.files, self.notes, self.state = run, files, notes, state
         self.writes = state is not None
         self.root = files.root
 

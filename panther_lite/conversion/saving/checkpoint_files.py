@@ -1,7 +1,8 @@
 """A transformers checkpoint directory read part by part: its config and the class that builds
 it, the name, dtype and file of every tensor (one ``model.safetensors`` or shards with their
-index) read from the files' headers alone, a skeleton of the model with its parameters on the
-meta device, the tensors of one part read on demand, and a fingerprint of the whole."""
+index) read from the files' headers alone and named as the model names it
+(:mod:`.checkpoint_layout`), a skeleton of the model with its parameters on the meta device, the
+tensors of one part read on demand, and a fingerprint of the whole."""
 from __future__ import annotations
 
 import hashlib
@@ -13,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from ...extras import require
+from .checkpoint_layout import model_sources
 from .loading import parameters_on_meta
 from .weight_files import SAFETENSORS_DTYPES, SHARD_INDEX_NAME, WEIGHTS_NAME, read_header, shard_paths
 
@@ -98,9 +100,11 @@ def reported_unexpected(model: nn.Module, names: Iterable[str]) -> List[str]:
 class CheckpointFiles:
     """A transformers checkpoint directory: ``config`` (read with ``AutoConfig``),
     ``auto_class`` (:func:`auto_class_for`), ``files`` (its safetensors files, none when it has
-    other weights) and ``tensors``: ``{name: (file, dtype, shape)}`` for every tensor in them,
-    read from their headers; nothing else is read until :meth:`read` asks for some tensors.
-    ValueError naming the file for anything unreadable."""
+    other weights), ``stored``: ``{name: (file, dtype, shape)}`` for every tensor in them, read
+    from their headers, and ``tensors``: the same under the model's names (transformers' layout
+    for this model type read, e.g. Mixtral's per-expert tensors as the fused experts: each
+    entry then its first file tensor's; :mod:`.checkpoint_layout`); nothing else is read until
+    :meth:`read` asks for some tensors. ValueError naming the file for anything unreadable."""
 
     def __init__(self, directory: Path) -> None:
         transformers = require("transformers", "reading a transformers checkpoint")
@@ -111,11 +115,13 @@ class CheckpointFiles:
             raise ValueError(f"MODEL_DIR {str(self.directory)!r}: its config.json could not be read: {error}") from None
         self.auto_class = auto_class_for(self.config)
         self.files = _weight_files(self.directory)
-        self.tensors: Dict[str, Tuple[Path, str, Tuple[int, ...]]] = {}
+        self.stored: Dict[str, Tuple[Path, str, Tuple[int, ...]]] = {}
         for path in self.files:
             header, _ = read_header(path)
             for name, entry in header.items():
-                self.tensors[name] = (path, entry.get("dtype"), tuple(entry.get("shape", ())))
+                self.stored[name] = (path, entry.get("dtype"), tuple(entry.get("shape", ())))
+        self.sources = model_sources(getattr(self.config, "model_type", ""), self.stored)
+        self.tensors = {name: self.stored[source.names()[0]] for name, source in self.sources.items()}
 
     def default_dtype(self) -> torch.dtype:
         """The dtype ``from_pretrained(dtype="auto")`` picks: the config's, else the first
@@ -157,12 +163,18 @@ class CheckpointFiles:
         return model.eval(), missing
 
     def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        """The tensors ``names`` (all held by the checkpoint), each file opened once and closed
-        again (its pages leave the process's memory with it)."""
+        """The tensors ``names`` (model names, all in :attr:`tensors`), each file opened once and
+        closed again (its pages leave the process's memory with it)."""
+        sources = {name: self.sources[name] for name in names}
+        stored = self._read_stored(name for source in sources.values() for name in source.names())
+        return {name: source.build(stored) for name, source in sources.items()}
+
+    def _read_stored(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        """The file tensors ``names`` (all in :attr:`stored`)."""
         safetensors = require("safetensors", "reading a transformers checkpoint")
         by_file: Dict[Path, List[str]] = {}
         for name in names:
-            by_file.setdefault(self.tensors[name][0], []).append(name)
+            by_file.setdefault(self.stored[name][0], []).append(name)
         tensors = {}
         for path, wanted in by_file.items():
             try:

@@ -23,6 +23,7 @@ from ..calibration.batches import CalibrationData, add_to_digest
 from ..config import ConvertConfig
 from ..process_groups.group import active_run, running_on
 from ..process_groups.run import check_compress_across, distributed_conversion, resolve_run
+from ..process_groups.own_group import owned_copy
 from ..process_groups.run_state import announcing, await_staging
 from ..fitting.block_refinement import REFINEMENT_COLUMNS
 from ..pipelines.blocks import without_kv_cache
@@ -185,13 +186,14 @@ def _convert_elsewhere(
     """A rank other than 0 across processes, once rank 0 has announced its staging directory: its
     share of the conversion (its statistics summed into rank 0's, its hidden states kept for a
     resume) and of the distillation, nothing written; it waits at a barrier until rank 0 has
-    written the output."""
+    written the output. A failure on any rank meanwhile stops every rank quoting it."""
     files = CheckpointFiles(Path(model_dir))
     state = await_staging(run, streamed=not in_memory)
-    with running_on(run):
-        report = _convert_into(files, dtype or files.default_dtype(), config, data, state, None, in_memory,
-                               allow_missing, distill)
-    run.barrier("rank 0 writing the output")
+    with state.notes.sharing():
+        with running_on(run):
+            report = _convert_into(files, dtype or files.default_dtype(), config, data, state, None, in_memory,
+                                   allow_missing, distill)
+        run.barrier("rank 0 writing the output")
     return report
 
 
@@ -287,15 +289,26 @@ def compress_checkpoint(
         raise TypeError(f"distill must be None or a callable (model, directory), got {type(distill).__name__}")
     config, data = conversion_options(config, options, calibration_data, caller="compress_checkpoint")
     run = resolve_run(process_group)
-    if run is not None:
-        check_compress_across(run, in_memory, resume)
-        if run.rank != 0:
-            return _convert_elsewhere(run, model_dir, config, data, dtype, in_memory, allow_missing_weights, distill)
+    arguments = (model_dir, output_dir, config, data, resume, distill, dtype, overwrite, in_memory, allow_missing_weights)
+    if run is None:
+        return _compress_on(None, *arguments)
+    check_compress_across(run, in_memory, resume)
+    with owned_copy(run) as own:  # a group a failure can take down (process_groups/failures.py)
+        return _compress_on(own, *arguments)
+
+
+def _compress_on(
+    run, model_dir, output_dir, config: ConvertConfig, data: CalibrationData, resume: bool,
+    distill: Optional[Distiller], dtype, overwrite: bool, in_memory: bool, allow_missing_weights: bool,
+) -> "pd.DataFrame":
+    """:func:`compress_checkpoint` on this process of ``run`` (None: one process)."""
+    if run is not None and run.rank != 0:
+        return _convert_elsewhere(run, model_dir, config, data, dtype, in_memory, allow_missing_weights, distill)
     with announcing(run, streamed=not in_memory) as announcement:  # across processes: the others hear how it went
         report = _compress_first(run, announcement, model_dir, output_dir, config, data, resume, distill, dtype,
                                  overwrite, in_memory, allow_missing_weights)
-    if run is not None:
-        run.barrier("rank 0 writing the output")
+        if run is not None:
+            run.barrier("rank 0 writing the output")
     return report
 
 

@@ -98,6 +98,32 @@ def test_a_killed_rank_stops_the_other_and_one_process_resumes_the_run(tmp_path)
     assert not list(tmp_path.glob(".*partial*"))
 
 
+@pytest.mark.parametrize("rank, where, quoted", [
+    (0, "gains", "RuntimeError: injected failure in the gains pass"),
+    (0, "commit", "OSError: [Errno 28] writing "),  # the disk-full error as the library words it
+    (1, "shard", "OSError: [Errno 28] injected: No space left on device"),
+], ids=["rank-0-gains-pass", "rank-0-writing-block-1", "rank-1-writing-its-hidden-states"])
+def test_a_rank_failing_mid_run_stops_the_other_quoting_it_and_the_run_resumes(rank, where, quoted, tmp_path):
+    """The failing rank's process lives on (an exception, not a kill): the other rank learns of it
+    at once through the store, not at the collective timeout (600 s here, past the launch's bound)."""
+    source, out = tmp_path / "source", tmp_path / "out"
+    tiny_llama().save_pretrained(source)
+    _alone(source, tmp_path / "alone", **STREAMED)
+    results = launch(2, dict(mode="compress", source=str(source), **STREAMED), out, timeout=240, extra_env={
+        "TEST_FAIL_RANK": str(rank), "TEST_FAIL_IN": where, "TEST_COLLECTIVE_TIMEOUT": "600"})
+    (failed_code, failed_err), (other_code, other_err) = results[rank], results[1 - rank]
+    assert failed_code != 0 and quoted in failed_err, failed_err[-3000:]
+    told = [line for line in other_err.splitlines() if "RankFailed: " in line]
+    assert other_code != 0 and told, other_err[-3000:]
+    assert f"RankFailed: panther_lite: rank {rank} of 2 processes failed ({quoted}" in told[-1]
+    assert "injected" in told[-1] and f"; rank {1 - rank} stopped at the " in told[-1]
+    assert told[-1].endswith("rerun with resume=True (--resume)")
+    assert not out.exists()
+    _alone(source, out, resume=True, **STREAMED)  # from block 0 when it was written, else afresh
+    _assert_same_output(tmp_path / "alone", out)
+    assert not list(tmp_path.glob(".*partial*"))
+
+
 def test_a_one_process_run_resumes_on_two_processes(tmp_path, monkeypatch):
     from panther_lite.conversion.saving.resume_state import RunState
 
@@ -120,14 +146,9 @@ def test_a_one_process_run_resumes_on_two_processes(tmp_path, monkeypatch):
     _assert_same_output(tmp_path / "alone", out)
 
 
-def test_four_processes_stream_the_one_process_checkpoint(tmp_path):
-    tiny_llama().save_pretrained(tmp_path / "source")
-    _stream_alone_and_across(4, tmp_path / "source", tmp_path, dict(param_ratio=0.5))
-
-
 def _save_under_the_model_names(model, directory: Path) -> None:
     """``model``'s checkpoint with its own tensor names (transformers writes Mixtral's experts in
-    the legacy per-expert layout, which only loading the model whole reads); a tied tensor once."""
+    the per-expert layout, which streams too: the 4-process test reads that one); a tied tensor once."""
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(directory)
     tensors, seen = {}, set()
@@ -145,6 +166,17 @@ def _save_under_the_model_names(model, directory: Path) -> None:
 def test_two_processes_stream_a_mixture_of_experts_checkpoint(options, tmp_path):
     _save_under_the_model_names(tiny_llama("mixtral"), tmp_path / "source")
     _stream_alone_and_across(2, tmp_path / "source", tmp_path, options)
+
+
+@pytest.mark.parametrize("model, options", [
+    ("llama", dict(param_ratio=0.5)),
+    ("llama", STREAMED),
+    ("mixtral", dict(param_ratio=0.5, allocation="global", sequential=True)),
+], ids=["uniform", "global-sequential", "mixtral-global-sequential"])
+def test_four_processes_stream_the_one_process_checkpoint(model, options, tmp_path):
+    """4 ranks of 4 batches: one batch each, so every sum gathers all four ranks (ATOL, RTOL above)."""
+    tiny_llama(model).save_pretrained(tmp_path / "source")  # Mixtral: the per-expert layout on disk
+    _stream_alone_and_across(4, tmp_path / "source", tmp_path, options)
 
 
 def test_two_processes_stream_and_refine_the_one_process_checkpoint(tmp_path):

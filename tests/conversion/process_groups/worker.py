@@ -44,6 +44,33 @@ def _die_at_second_exchange() -> None:
     ProcessGroupRun.sum_in_rank_order = dying
 
 
+def _fail_in(where: str) -> None:
+    """This rank raises (an ordinary exception, its process living on) mid-run: in the streamed gains
+    pass ("gains"), in rank 0's commit of block 1 ("commit"), or writing its hidden states after
+    block 0 ("shard")."""
+    from panther_lite.conversion.pipelines import out_of_core
+    from panther_lite.conversion.process_groups import run_state
+    from panther_lite.conversion.saving.resume_state import RunState
+
+    def gains(*args, **kwargs):
+        raise RuntimeError("injected failure in the gains pass")
+
+    def failing(original, at: int):
+        def call(self_or_root, finished, *args, **kwargs):
+            if finished == at:
+                raise OSError(28, "injected: No space left on device")
+            return original(self_or_root, finished, *args, **kwargs)
+
+        return call
+
+    if where == "gains":
+        out_of_core.streamed_block_gains = gains
+    elif where == "commit":
+        RunState.commit = failing(RunState.commit, 2)
+    else:
+        run_state.save_shard = failing(run_state.save_shard, 1)
+
+
 def _refusals() -> dict:
     """Each option not distributed yet, tried: ``{case: "ErrorType: message"}`` (or "ran")."""
     import panther_lite
@@ -112,6 +139,8 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend, timeout=timeout)
     rank = dist.get_rank()
+    if os.environ.get("TEST_FAIL_RANK") == str(rank):
+        _fail_in(os.environ["TEST_FAIL_IN"])
     if os.environ.get("TEST_DIE_RANK") == str(rank):
         if os.environ.get("TEST_DIE_AT"):
             _die_at_barrier(os.environ["TEST_DIE_AT"])
