@@ -6,13 +6,12 @@ dense weight at random. So each ``config.json`` recording a panther_lite convers
 a weights file that transformers refuses with a ValueError quoting it
 (``"transformers_weights": "panther_lite output: import panther_lite before from_pretrained"``);
 the plugin lifts the guard before transformers looks for the weights. transformers' own
-``config.save_pretrained`` drops that key, so a model the plugin loaded saves through
-:func:`keep_guard_on_save`, which writes the guard again after transformers' save.
+``config.save_pretrained`` drops that key, so a converted or loaded model saves through
+:mod:`.hf_recording`, which writes the guard again after transformers' save.
 
 Example::
 
     guard_saved_configs(directory)      # after writing config.json files under directory
-    keep_guard_on_save(model)           # model.save_pretrained(out2) writes it too
     # transformers alone: ValueError "...(*.safetensors.index.json): panther_lite output: import panther_lite ..."
 """
 from __future__ import annotations
@@ -20,11 +19,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["GUARD_KEY", "GUARD", "guard_saved_configs", "keep_guard_on_save", "lift_guard"]
+from .pretrained_format import QUANT_METHOD
+
+__all__ = ["GUARD_KEY", "GUARD", "guard_saved_configs", "lift_guard"]
 
 GUARD_KEY = "transformers_weights"
 GUARD = "panther_lite output: import panther_lite before from_pretrained (pip install panther_lite)"
-_QUANT_METHOD = "panther_lite"
 
 
 def guard_saved_configs(directory: Path) -> None:
@@ -33,7 +33,7 @@ def guard_saved_configs(directory: Path) -> None:
     for path in sorted(Path(directory).rglob("config.json")):
         config = json.loads(path.read_text())
         quantization = config.get("quantization_config") if isinstance(config, dict) else None
-        if isinstance(quantization, dict) and quantization.get("quant_method") == _QUANT_METHOD:
+        if isinstance(quantization, dict) and quantization.get("quant_method") == QUANT_METHOD:
             config[GUARD_KEY] = GUARD
             path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
@@ -42,30 +42,3 @@ def lift_guard(config) -> None:
     """Remove the guard from a loaded transformers ``config`` (the real weights files load)."""
     if getattr(config, GUARD_KEY, None) == GUARD:
         delattr(config, GUARD_KEY)
-
-
-class _GuardedSave:
-    """``model.save_pretrained`` of one model instance: transformers' own (its class's), then
-    :func:`guard_saved_configs` on what it wrote. A plain object (not a bound method), so the
-    model still pickles and deep-copies (the copy's save is bound to the copy)."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-
-    def __call__(self, save_directory, *args, **kwargs):
-        result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
-        guard_saved_configs(Path(save_directory))
-        return result
-
-
-def keep_guard_on_save(model) -> None:
-    """Make ``model.save_pretrained(out2)`` (transformers', on this instance: ``Trainer``,
-    ``push_to_hub`` and sentence-transformers' ``save`` call it too) keep the guard in the
-    ``config.json`` files it writes, which transformers' config saving strips.
-
-    Example::
-
-        model = AutoModelForCausalLM.from_pretrained(out)   # the plugin calls keep_guard_on_save
-        model.save_pretrained(out2)   # out2/config.json guarded: transformers alone refuses it
-    """
-    model.save_pretrained = _GuardedSave(model)

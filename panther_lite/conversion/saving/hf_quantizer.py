@@ -27,12 +27,12 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .hf_guard import keep_guard_on_save, lift_guard
+from .hf_guard import lift_guard
+from .hf_recording import record_conversion_on_save
+from .pretrained_format import QUANT_METHOD
 from .serialization import CONFIG_FORMAT, apply_conversion_config
 
 __all__ = ["QUANT_METHOD", "PantherLiteConfig", "PantherLiteHfQuantizer", "register"]
-
-QUANT_METHOD = "panther_lite"
 
 
 class PantherLiteConfig(QuantizationConfigMixin):
@@ -91,8 +91,9 @@ class PantherLiteHfQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        """The loaded model's ``save_pretrained`` keeps the guard (:func:`.hf_guard.keep_guard_on_save`)."""
-        keep_guard_on_save(model)
+        """The loaded model's ``save_pretrained`` records its conversion and keeps the guard
+        (:func:`.hf_recording.record_conversion_on_save`)."""
+        record_conversion_on_save(model)
         return model
 
     def is_serializable(self) -> bool:

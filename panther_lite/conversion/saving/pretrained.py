@@ -12,25 +12,24 @@ transformers alone refuse it (:mod:`.hf_guard`).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import torch.nn as nn
 
 from ...extras import require
 from ..deploy.quantized import check_storable, warn_if_quantized_beside
 from .pretrained_format import (
-    FORMAT, PRETRAINED_CONFIG_NAME, QUANTIZATION_KEY, SENTENCE_TRANSFORMERS, STATE_DICT, TRANSFORMERS, VERSION, PathLike,
-    hf_submodels, pretrained_model_class, relative_config, sentence_transformer_classes,
+    FORMAT, PRETRAINED_CONFIG_NAME, SENTENCE_TRANSFORMERS, STATE_DICT, TRANSFORMERS, VERSION, PathLike,
+    hf_submodels, pretrained_model_class, sentence_transformer_classes,
 )
 from .hf_guard import guard_saved_configs
-from .hf_registration import transformers_plugin
-from .serialization import conversion_config, own_names_for_experts
+from .hf_recording import recorded_in_configs, save_recording_conversion
+from .serialization import conversion_config
 from .weight_files import WEIGHTS_NAME, writing
 
 __all__ = ["save_pretrained", "PRETRAINED_CONFIG_NAME", "save_transformers_config", "write_pretrained_record"]
@@ -45,25 +44,6 @@ def _saved_with(model: nn.Module) -> str:
         return SENTENCE_TRANSFORMERS
     # everything else, PEFT models included (PEFT's own save_pretrained keeps only the adapters)
     return STATE_DICT
-
-
-@contextlib.contextmanager
-def _recorded_in_configs(model: nn.Module, conversion: Mapping) -> Iterator[None]:
-    """Set ``config.quantization_config`` (panther_lite's, :mod:`.hf_quantizer`) on each
-    transformers model inside ``model`` for as long as it is being saved, then put the configs
-    back as they were."""
-    configs = [(sub.config, relative_config(conversion, prefix)) for prefix, sub in hf_submodels(model)]
-    previous = [config.__dict__.get(QUANTIZATION_KEY) for config, _ in configs]
-    try:
-        for config, relative in configs:
-            config.quantization_config = transformers_plugin().PantherLiteConfig(conversion=relative)
-        yield
-    finally:
-        for (config, _), old in zip(configs, previous):
-            if old is None:
-                config.__dict__.pop(QUANTIZATION_KEY, None)
-            else:
-                config.quantization_config = old
 
 
 def _check_layers_reloadable(model: nn.Module, conversion: Mapping) -> None:
@@ -84,11 +64,11 @@ def _write_model_files(model: nn.Module, saved_with: str, directory: Path, conve
 
         save_model(model, str(directory / WEIGHTS_NAME))
         return
-    with _recorded_in_configs(model, conversion):
-        if saved_with == TRANSFORMERS:
-            model.save_pretrained(str(directory), **own_names_for_experts(model))
-        else:
-            model.save(str(directory))
+    if saved_with == TRANSFORMERS:
+        save_recording_conversion(model, str(directory))
+        return
+    with recorded_in_configs(model, conversion):
+        model.save(str(directory))
     guard_saved_configs(directory)
 
 
@@ -113,7 +93,7 @@ def write_pretrained_record(directory: Path, saved_with: str, conversion: Mappin
 def save_transformers_config(model: nn.Module, directory: Path, conversion: Mapping) -> None:
     """:func:`save_pretrained`'s files but the weights (written apart): ``config.json`` recording
     ``conversion``, and ``panther_lite_config.json``."""
-    with _recorded_in_configs(model, conversion):
+    with recorded_in_configs(model, conversion):
         model.config.save_pretrained(str(directory))
     guard_saved_configs(directory)
     write_pretrained_record(directory, TRANSFORMERS, conversion)

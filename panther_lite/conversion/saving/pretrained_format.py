@@ -11,7 +11,7 @@ from typing import List, Mapping, Tuple, Union
 import torch.nn as nn
 
 __all__ = [
-    "PRETRAINED_CONFIG_NAME", "FORMAT", "VERSION", "HF_CONFIG_KEY", "QUANTIZATION_KEY", "TRANSFORMERS", "SENTENCE_TRANSFORMERS", "STATE_DICT",
+    "PRETRAINED_CONFIG_NAME", "FORMAT", "VERSION", "HF_CONFIG_KEY", "QUANTIZATION_KEY", "QUANT_METHOD", "TRANSFORMERS", "SENTENCE_TRANSFORMERS", "STATE_DICT",
     "PathLike", "pretrained_model_class", "sentence_transformer_classes", "hf_submodels", "relative_config",
 ]
 
@@ -21,6 +21,8 @@ FORMAT, VERSION = "panther_lite.pretrained", 1
 HF_CONFIG_KEY = "panther_lite"
 # where config.json records it now: transformers' quantizer extension point (:mod:`.hf_quantizer`)
 QUANTIZATION_KEY = "quantization_config"
+# its "quant_method": the name the plugin registers under
+QUANT_METHOD = "panther_lite"
 
 TRANSFORMERS, SENTENCE_TRANSFORMERS, STATE_DICT = "transformers", "sentence-transformers", "state_dict"
 PathLike = Union[str, "os.PathLike[str]"]

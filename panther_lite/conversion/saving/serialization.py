@@ -172,5 +172,5 @@ def own_names_for_experts(model: nn.Module) -> dict:
     experts = (EXPERTS.sketched_type, EXPERTS.frozen_type)
     if not any(isinstance(module, experts) for module in model.modules()):
         return {}
-    accepted = "save_original_format" in inspect.signature(model.save_pretrained).parameters
+    accepted = "save_original_format" in inspect.signature(type(model).save_pretrained).parameters
     return {"save_original_format": False} if accepted else {}

@@ -21,6 +21,7 @@ from ..pipelines.choice import choose_pipeline
 from ..planning.sizes import PlanNote
 from ..planning.speed import keep_slower_layers_dense
 from ..report import build_report
+from ..saving.hf_recording import forget_conversion_on_save, record_conversion_on_save
 from ..selection import frozen_layers, name_preview
 from ..surgery import SwapLog, restores_buffers_on_error, stored_numel, swap_modules, undo_swaps
 from ..verification import check_converted_model_runs
@@ -48,6 +49,10 @@ def convert(
     ``nn.Conv1d``/``2d``/``3d`` (→ ``SKConv1d``/``2d``/``3d``). Everything is validated,
     calibrated and fitted before the first swap: on any error the model is left as it was.
     The conversion workflow in the docs (``docs/workflows.rst``) details each rule.
+    A transformers model (or one inside ``model``) then records its conversion whenever it is
+    saved, by :func:`~panther_lite.save_pretrained` or by its own ``save_pretrained``:
+    ``AutoModel*.from_pretrained`` of that directory builds the sketched layers after
+    ``import panther_lite`` and fails loudly without it (``docs/huggingface.rst``).
 
     Args:
         config: a :class:`~panther_lite.ConvertConfig` holding the options (sizes, selection,
@@ -131,6 +136,7 @@ def run_pipeline(job: Conversion, pipeline: Pipeline, example_inputs=None) -> Tu
     except BaseException:
         undo_swaps(log)
         raise
+    record_conversion_on_save(job.model)  # transformers' own save_pretrained records it too
     report = build_report(job.records, fits, stored_before, stored_numel(job.model))
     _add_plan_columns(report, notes, job.config)
     report.attrs["pipeline"] = pipeline.description
@@ -169,7 +175,9 @@ def densify(model: nn.Module) -> nn.Module:
     mode and ``requires_grad``; for an SKLinear converted from transformers' ``Conv1D`` a
     ``Conv1D`` again, ``(in, out)`` weight, or an ``nn.Linear`` when transformers cannot be
     imported). Returns ``model``, or the dense layer itself when ``model`` is a sketched
-    layer (a root cannot be replaced in place). A model holding frozen layers
+    layer (a root cannot be replaced in place). A transformers model no longer records a
+    conversion when it is saved (what :func:`convert` or the plugin's loading attached is
+    removed): its ``save_pretrained`` writes a plain dense checkpoint. A model holding frozen layers
     (:func:`~panther_lite.freeze`, one-way) is a ValueError, nothing changed.
 
     Examples:
@@ -191,6 +199,7 @@ def densify(model: nn.Module) -> nn.Module:
         return _dense_twin(model)
     sketched = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, sketched_types())]
     swap_modules(model, [(fqn, _dense_twin(m)) for fqn, m in sketched])
+    forget_conversion_on_save(model)  # it saves as the plain dense model again
     return model
 
 
