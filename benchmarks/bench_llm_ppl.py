@@ -40,6 +40,7 @@ import random
 import re
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Dict, List
 
@@ -264,7 +265,7 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
     dense = frame[frame["method"] == "dense"].iloc[0]
     texts_shown = ("like calibration", "other prose", "docstrings")
     ratios = sorted(frame.loc[frame["method"] != "dense", "param_ratio"].unique(), reverse=True)
-    fig = new_figure(figsize=(5 * len(ratios) + 1, 4.5))
+    fig = new_figure(figsize=(5.5 * len(ratios) + 1, 6))
     axes = fig.subplots(1, len(ratios), sharey=True, squeeze=False)[0]
     for ax, ratio in zip(axes, ratios):
         rows = frame[frame["param_ratio"] == ratio]
@@ -272,13 +273,17 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
             values = (rows[text] / dense[text]).to_numpy()
             positions = [i + 0.27 * (offset - 1) for i in range(len(rows))]
             ax.bar(positions, values, width=0.27, label=text)
-        ax.set_xticks(range(len(rows)), [m.replace(" (", "\n(") for m in rows["method"]], fontsize=7)
+        ax.set_xticks(range(len(rows)), [textwrap.fill(m, 26) for m in rows["method"]], fontsize=6, rotation=30,
+                      ha="right")
         ax.set_yscale("log")
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_title(f"{ratio:.0%} of the block Linear parameters stored", fontsize=9)
     axes[0].set_ylabel("perplexity / dense perplexity")
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"{frame['split'].iloc[0]} texts, windows of {WINDOW} — {frame['machine'].iloc[0]}", fontsize=9)
+    threads = ", ".join(str(n) for n in sorted(frame["threads"].unique()))
+    machine = frame["machine"].iloc[0].split(" (")[0]
+    fig.suptitle(f"{frame['split'].iloc[0]} texts, windows of {WINDOW} — {machine}, {threads} thread(s) (see the CSV)",
+                 fontsize=9)
     save_figure(fig, path)
 
 

@@ -19,8 +19,9 @@ from typing import Callable, List, Optional
 import torch.nn as nn
 
 from ..conversion import DistillConfig, TeacherOutputs, distill, teacher_outputs
-from ..conversion.distilling import DistillationResult
+from ..conversion.distilling import DistillationResult, sampled_batches
 from ..conversion.pipelines.blocks import without_kv_cache
+from ..conversion.pipelines.streamed_model import streamed_model
 from .arguments import positive_float, positive_int
 from .checkpoint import CommandError
 from .config_options import Option, add_config_options, config_overrides
@@ -28,6 +29,7 @@ from .config_options import Option, add_config_options, config_overrides
 __all__ = ["DISTILLATION_CSV", "add_distill_options", "check_distill_options", "distiller", "run_distill"]
 
 DISTILLATION_CSV = "distillation.csv"
+SAMPLED_PREFIX = 16  # calibration tokens each --distill-generate sequence continues (half of shorter samples)
 
 
 DISTILL_OPTIONS = (
@@ -37,14 +39,20 @@ DISTILL_OPTIONS = (
 
 
 def add_distill_options(command: argparse.ArgumentParser) -> None:
-    """``--distill`` and the :class:`~panther_lite.DistillConfig` fields it offers
-    (``--distill-max-steps``, ``--distill-lr``, ``--distill-top-k``) in their own group."""
+    """``--distill``, the :class:`~panther_lite.DistillConfig` fields it offers
+    (``--distill-max-steps``, ``--distill-lr``, ``--distill-top-k``) and ``--distill-generate``
+    in their own group."""
     group = command.add_argument_group("distillation against the original (panther_lite.distill, DistillConfig's fields)")
     group.add_argument("--distill", action=argparse.BooleanOptionalAction, default=None,
                        help="after the conversion, train the converted model's factors and biases to reproduce the "
                             "original model's outputs on the calibration batches (cached first, streamed from "
                             f"MODEL_DIR: the original is never whole in memory); writes {DISTILLATION_CSV}")
     add_config_options(group, DistillConfig, DISTILL_OPTIONS, prefix="distill-")
+    group.add_argument("--distill-generate", type=positive_int, default=None, metavar="N",
+                       help="also train on N sequences the original writes itself (sampled, streamed from MODEL_DIR, "
+                            f"each continuing the first {SAMPLED_PREFIX} tokens of a calibration sample, as long as the calibration "
+                            "batches): more text than the calibration holds, at one pass over the checkpoint per "
+                            "generated token")
 
 
 def check_distill_options(args: argparse.Namespace) -> dict:
@@ -52,20 +60,44 @@ def check_distill_options(args: argparse.Namespace) -> dict:
     without ``--distill``; with ``--no-distill``, e.g. turning a recipe's distillation off, they
     are ignored)."""
     settings = config_overrides(args, DISTILL_OPTIONS, prefix="distill-")
-    if settings and args.distill is None:
-        raise CommandError("--distill-max-steps, --distill-lr and --distill-top-k set the distillation: add --distill")
+    if (settings or args.distill_generate) and args.distill is None:
+        raise CommandError("--distill-max-steps, --distill-lr, --distill-top-k and --distill-generate set the "
+                           "distillation: add --distill")
     return settings
+
+
+def _with_samples(args: argparse.Namespace, batches: List[dict], dtype, say) -> List[dict]:
+    """``batches`` and, with ``--distill-generate N``, N sequences the original samples (streamed
+    from MODEL_DIR; every process draws the same ones) as long as the widest calibration batch,
+    each continuing the first :data:`SAMPLED_PREFIX` tokens of a sample (half of them, for
+    calibration batches shorter than twice that)."""
+    if not args.distill_generate:
+        return batches
+    length = max(batch["input_ids"].shape[1] for batch in batches)
+    prefix = min(SAMPLED_PREFIX, length // 2)
+    if not prefix:
+        raise CommandError("--distill-generate continues the first tokens of a calibration sample, and the calibration "
+                           "samples hold one token each: give longer samples")
+    started = time.perf_counter()
+    with streamed_model(args.model_dir, dtype) as teacher:
+        sampled = sampled_batches(teacher, batches, args.distill_generate, length, prefix=prefix,
+                                  batch_size=batches[0]["input_ids"].shape[0], progress=not args.quiet)
+    say(f"sampled {args.distill_generate} sequences of {length} tokens from the original in "
+        f"{time.perf_counter() - started:.1f} s")
+    return batches + sampled
 
 
 def distiller(args: argparse.Namespace, batches: List[dict], tokenizer, dtype, say) -> Optional[Callable]:
     """With ``--distill``, :func:`~panther_lite.compress_checkpoint`'s ``distill`` step: the
-    original's outputs on the text ``batches`` (and ``--random-tokens N`` random-token sequences of
+    original's outputs on the text ``batches`` (with ``--distill-generate N``, N sequences it
+    samples; and ``--random-tokens N`` random-token sequences of
     ``distill``'s length, drawn once) cached now, streamed from MODEL_DIR in ``dtype``, and
     :func:`run_distill` against them; else None."""
     if not args.distill:
         return None
     random = {"tokenizer": tokenizer, "random_tokens": args.random_tokens} if args.random_tokens else {}
     config = DistillConfig(progress=not args.quiet, **random, **check_distill_options(args))
+    batches = _with_samples(args, batches, dtype, say)
     started = time.perf_counter()
     cached = teacher_outputs(args.model_dir, batches, config, dtype=dtype)
     say(f"cached the original's outputs on {len(cached)} batches ({cached.nbytes / 2**20:.1f} MiB, top "

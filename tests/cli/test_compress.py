@@ -24,6 +24,7 @@ import panther_lite  # noqa: E402
 from panther_lite.cli import compress as compress_module  # noqa: E402
 from panther_lite.cli import distilling as distilling_module  # noqa: E402
 from panther_lite.cli import main  # noqa: E402
+from panther_lite.conversion.distilling import sampled_batches  # noqa: E402
 from panther_lite.conversion.pipelines import out_of_core  # noqa: E402
 from panther_lite.conversion.workflows import compress as compress_library  # noqa: E402
 from panther_lite.cli.checkpoint import calibration_batches, read_samples  # noqa: E402
@@ -398,3 +399,31 @@ def test_fewer_calibration_tokens_than_a_layer_has_inputs_warns(checkpoints, tex
     assert "fewer than the 64 inputs of model.layers.0.mlp.down_proj" in capsys.readouterr().err
     main(_argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS))
     assert "warning" not in capsys.readouterr().err
+
+
+def test_distill_generate_trains_on_sequences_the_streamed_original_samples_after_the_text(
+    checkpoints, text_file, tmp_path, monkeypatch
+):
+    seen = {}
+    real_distill = distilling_module.distill
+    monkeypatch.setattr(distilling_module, "distill", lambda model, cached, data, config: seen.update(
+        data=data, cached=cached) or real_distill(model, cached, data, config))
+    argv = _argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS, "--distill", "--distill-steps", "2",
+                 "--distill-generate", "5")
+    assert main(argv) == 0
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoints["llama"])).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoints["llama"]))
+    batches = calibration_batches(read_samples(text_file, 128), tokenizer, teacher, 256, 8)
+    width = max(batch["input_ids"].shape[1] for batch in batches)  # 12 tokens: half of them continued
+    expected = sampled_batches(teacher, batches, 5, width, prefix=width // 2, batch_size=8, progress=False)
+    assert len(seen["data"]) == len(batches) + len(expected) == len(seen["cached"])
+    for got, want in zip(seen["data"][len(batches):], expected):  # the streamed teacher samples as the whole one
+        assert torch.equal(got["input_ids"], want["input_ids"]) and bool(got["attention_mask"].all())
+
+
+def test_distill_generate_refuses_one_token_samples_and_leaves_out_dir_unwritten(checkpoints, tmp_path, capsys):
+    words = tmp_path / "words.txt"
+    words.write_text("\n".join(["alpha", "beta", "gamma"] * 4))
+    assert main(_argv(checkpoints["llama"], words, tmp_path / "out", *RATIO_ARGS, "--distill", "--distill-generate", "2")) == 1
+    assert "the calibration samples hold one token each" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

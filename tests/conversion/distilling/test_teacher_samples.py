@@ -1,0 +1,60 @@
+"""Sequences the original samples to distil on: continuations of the calibration samples' first tokens."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from panther_lite.conversion.distilling import sampled_batches  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def lm():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _calibration():
+    ids = torch.randint(64, (3, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0  # a short sample, right-padded: too short for a prefix of 12
+    return [{"input_ids": ids, "attention_mask": mask}]
+
+
+def test_each_sequence_continues_a_long_enough_calibration_sample_in_turn(lm):
+    batches = sampled_batches(lm, _calibration(), 5, 24, prefix=12, batch_size=2, progress=False)
+    assert [b["input_ids"].shape for b in batches] == [(2, 24), (2, 24), (1, 24)]
+    assert all(bool(b["attention_mask"].all()) for b in batches)
+    ids = torch.cat([b["input_ids"] for b in batches])
+    calibration = _calibration()[0]["input_ids"]
+    for row, source in zip(ids, [0, 2, 0, 2, 0]):  # sample 1 holds 10 real tokens: skipped
+        assert torch.equal(row[:12], calibration[source, :12])
+    assert not torch.equal(ids[0, 12:], ids[2, 12:])  # sampled, not greedy: the same prompt goes on differently
+
+
+def test_a_seed_repeats_the_draw_and_leaves_the_global_generator_alone(lm):
+    state = torch.random.get_rng_state()
+    first = sampled_batches(lm, _calibration(), 3, 20, prefix=12, seed=4, progress=False)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    again = sampled_batches(lm, _calibration(), 3, 20, prefix=12, seed=4, progress=False)
+    other = sampled_batches(lm, _calibration(), 3, 20, prefix=12, seed=5, progress=False)
+    assert torch.equal(first[0]["input_ids"], again[0]["input_ids"])
+    assert not torch.equal(first[0]["input_ids"], other[0]["input_ids"])
+
+
+@pytest.mark.parametrize("options, error, match", [
+    ({"count": 0}, ValueError, "count"),
+    ({"length": 12}, ValueError, "length must be an integer >= 13"),
+    ({"prefix": 21, "length": 30}, ValueError, "no calibration sample holds prefix=21 tokens"),
+    ({"batch_size": 0}, ValueError, "batch_size"),
+])
+def test_bad_arguments_are_named(lm, options, error, match):
+    arguments = {"count": 2, "length": 16, "prefix": 12, **options}
+    with pytest.raises(error, match=match):
+        sampled_batches(lm, _calibration(), progress=False, **arguments)
+
+
+def test_a_model_without_generate_is_refused():
+    with pytest.raises(TypeError, match="teacher must be a causal LM with generate"):
+        sampled_batches(torch.nn.Linear(2, 2), _calibration(), 2, 16, progress=False)
