@@ -45,7 +45,7 @@ import pandas as pd
 import torch
 
 from panther_lite.benchmark import device_name, new_figure, ratio_layout, save_figure
-from panther_lite.conversion.saving.serialization import apply_conversion_config
+from panther_lite import apply_conversion_config
 from panther_lite.nn import SKLinear, use_decode_layout
 
 ROOT = Path(__file__).resolve().parents[1]

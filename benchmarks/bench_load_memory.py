@@ -36,7 +36,7 @@ import panther_lite
 from panther_lite.benchmark import device_name, new_figure, ratio_layout, save_figure
 from panther_lite.benchmark.checkpoints import write_random_checkpoint
 from panther_lite.conversion.saving.pretrained import save_transformers_config
-from panther_lite.conversion.saving.serialization import apply_conversion_config
+from panther_lite import apply_conversion_config
 from panther_lite.conversion.saving.shards import SHARD_INDEX_NAME, shard_name
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab

@@ -29,7 +29,8 @@ from .pipelines import Pipeline
 from .report import conversion_summary
 from .saving.loading import from_pretrained
 from .saving.pretrained import save_pretrained
-from .saving.serialization import apply_conversion_config, conversion_config
+from .saving.rebuilding import apply_conversion_config
+from .saving.serialization import conversion_config
 from .verification import ConversionError
 from .workflows import compress_checkpoint, convert, densify, tune
 

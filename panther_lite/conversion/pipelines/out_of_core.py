@@ -38,7 +38,7 @@ from ..process_groups.statistics import first_problem, measured_by_first
 from ..records import LayerRecord, check_finite_weights, records_entry, restore_records
 from ..saving.checkpoint_files import CheckpointFiles, check_placed, reported_unexpected
 from ..saving.resume_state import RunState
-from ..saving.serialization import CONFIG_FORMAT, CONFIG_VERSION, apply_conversion_config, conversion_config
+from ..saving.serialization import CONFIG_FORMAT, CONFIG_VERSION, conversion_config, swap_in_conversion
 from ..saving.shards import write_part
 from ..saving.weight_files import writing
 from ..surgery import SwapLog, swap_modules, undo_swaps
@@ -208,7 +208,7 @@ class OutOfCore(ByBlocks):
         back in the records, placeholder layers (on the meta device) swapped into the skeleton."""
         saved = self.state.record(name)
         restore_records(job.records, saved)
-        apply_conversion_config(job.model, dict(format=CONFIG_FORMAT, version=CONFIG_VERSION, layers=saved["layers"]))
+        swap_in_conversion(job.model, dict(format=CONFIG_FORMAT, version=CONFIG_VERSION, layers=saved["layers"]))
         if self.refiner is not None:
             self.refiner.results += saved["refinement"]
         return {name: _restored_fit(job.model.get_submodule(name), entry) for name, entry in saved["fits"].items()}

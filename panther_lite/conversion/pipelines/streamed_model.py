@@ -17,7 +17,7 @@ from .blocks import BlockList, repeated_block_list
 from .skeleton_parts import SkeletonParts
 from ..saving.checkpoint_files import CheckpointFiles
 from ..saving.pretrained_format import PRETRAINED_CONFIG_NAME
-from ..saving.serialization import apply_conversion_config
+from ..saving.serialization import swap_in_conversion
 
 __all__ = ["streamed_model"]
 
@@ -31,7 +31,7 @@ def _skeleton(directory: Path, files: CheckpointFiles, dtype: Optional[torch.dty
             conversion = json.loads(record.read_text())["conversion"]
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ValueError(f"{str(record)!r} is not a panther_lite save record: {error}") from None
-        apply_conversion_config(model, conversion)
+        swap_in_conversion(model, conversion)
     return model
 
 

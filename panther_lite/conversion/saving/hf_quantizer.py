@@ -30,7 +30,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from .hf_guard import lift_guard
 from .hf_recording import record_conversion_on_save
 from .pretrained_format import QUANT_METHOD
-from .serialization import CONFIG_FORMAT, apply_conversion_config
+from .serialization import CONFIG_FORMAT, swap_in_conversion
 
 __all__ = ["QUANT_METHOD", "PantherLiteConfig", "PantherLiteHfQuantizer", "register"]
 
@@ -87,7 +87,7 @@ class PantherLiteHfQuantizer(HfQuantizer):
         return super().update_attn_implementation(config)
 
     def _process_model_before_weight_loading(self, model, **kwargs):
-        apply_conversion_config(model, self.quantization_config.conversion)
+        swap_in_conversion(model, self.quantization_config.conversion)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):

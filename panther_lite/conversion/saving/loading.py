@@ -32,7 +32,7 @@ from .pretrained_format import (
     hf_submodels, pretrained_model_class, relative_config, sentence_transformer_classes,
 )
 from .hf_registration import transformers_plugin
-from .serialization import apply_conversion_config
+from .rebuilding import apply_conversion_config
 from .weight_files import WEIGHTS_NAME, check_weight_files, load_weights_file, read_json, read_weights
 
 __all__ = ["from_pretrained", "parameters_on_meta"]

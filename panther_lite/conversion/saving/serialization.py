@@ -35,7 +35,7 @@ def conversion_config(model: nn.Module) -> dict:
     class (``"SKLinear"``, ``"SKConv1d"``, ``"SKConv2d"``, ``"SKConv3d"``), ``dense`` the
     layer it replaced (``"Linear"``, ``"Conv1D"`` for transformers' GPT-2 layer,
     ``"Conv1d"``, ``"Conv2d"``, ``"Conv3d"``) and ``shape`` that dense
-    layer's weight shape. Save it next to the ``state_dict``; :func:`apply_conversion_config`
+    layer's weight shape. Save it next to the ``state_dict``; :func:`~panther_lite.apply_conversion_config`
     rebuilds the architecture from it.
     """
     if not isinstance(model, nn.Module):
@@ -125,7 +125,7 @@ def _target_module(model: nn.Module, entry: Mapping, kind: LayerKind) -> Tuple[n
     return module, kind.check_entry(module, entry, fqn)
 
 
-def apply_conversion_config(model: nn.Module, config: Mapping) -> nn.Module:
+def swap_in_conversion(model: nn.Module, config: Mapping) -> nn.Module:
     """Swap the layers listed in ``config`` (from :func:`conversion_config`) for sketched
     layers of the recorded sizes, in place, so a converted model's ``state_dict`` loads
     into ``model`` (a fresh instance of the original architecture). No fitting happens:

@@ -49,24 +49,21 @@ def test_options_not_distributed_yet_are_refused_naming_them(tmp_path):
     assert found["one batch"].startswith("ValueError") and "fewer than the processes" in found["one batch"]
 
 
-def test_four_processes_give_the_one_process_model(tmp_path):
-    options = dict(param_ratio=0.5)
-    assert_same(one_process(options), across(4, options, tmp_path))
-
-
 def _fits_split_on_four_ranks(options: dict, out: Path) -> None:
     import panther_lite
 
     alone = dict(options)
     model, built = tiny_llama(alone.pop("model", "llama")), []
     with counting_fits(model, built):
-        panther_lite.convert(model, calibration_data=batches(), progress=False, **alone)
+        report = panther_lite.convert(model, calibration_data=batches(), progress=False, **alone)
     results = launch(4, dict(mode="count fits", **options), out)
     for rank, (code, err) in enumerate(results):
         assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
     ranks = [torch.load(f"{out}.{rank}") for rank in range(4)]
     assert sorted(name for found in ranks for name in found["built"]) == sorted(built)  # each layer fitted once
     assert sum(bool(found["built"]) for found in ranks) > 1, [found["built"] for found in ranks]  # by several ranks
+    rows = report["calibration_rows"].fillna(-1).astype(int).tolist()
+    assert all(found["rows"] == rows for found in ranks)  # every rank's rows counted once, on every rank
     for found in ranks[1:]:
         for name, tensor in ranks[0]["state"].items():
             assert torch.equal(found["state"][name], tensor), name  # every rank swapped in the same fits

@@ -162,8 +162,10 @@ def main() -> None:
 
         model, built = tiny_llama(options.pop("model", "llama")), []
         with counting_fits(model, built):
-            panther_lite.convert(model, calibration_data=batches(options.pop("batches", 4)), progress=False, **options)
-        torch.save({"state": model.state_dict(), "built": built}, f"{out}.{rank}")
+            report = panther_lite.convert(model, calibration_data=batches(options.pop("batches", 4)), progress=False,
+                                          **options)
+        rows = report["calibration_rows"].fillna(-1).astype(int).tolist()
+        torch.save({"state": model.state_dict(), "built": built, "rows": rows}, f"{out}.{rank}")
     elif mode == "distill":
         found = _distill(options)
         if rank == 0:

@@ -1,5 +1,6 @@
 """A transformers model converted in memory and saved with transformers' own ``save_pretrained``
-(not ``panther_lite.save_pretrained``) records its conversion: with panther_lite imported
+(not ``panther_lite.save_pretrained``) records its conversion, as does a fresh model given the
+layout by hand (``apply_conversion_config``): with panther_lite imported
 ``AutoModel*.from_pretrained`` gives the converted model (tiny LLaMA and BERT, frozen too), in a
 fresh process without panther_lite transformers fails loudly naming it; after ``densify`` (of the
 converted or of a loaded model) the save is a plain dense checkpoint again."""
@@ -73,6 +74,21 @@ def test_transformers_save_of_a_converted_model_loads_it_back_through_auto_model
     assert config[GUARD_KEY] == GUARD and "quantization_config" not in model.config.__dict__
     loaded = _load(name, tmp_path)
     assert _layout(loaded) == _layout(model) and (frozen or any(isinstance(m, SKLinear) for m in loaded.modules()))
+    assert torch.equal(_logits(loaded), _logits(model))
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["sketched", "frozen"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_transformers_save_of_a_model_rebuilt_by_hand_records_its_conversion(name, frozen, tmp_path):
+    model = _converted(name, frozen)
+    fresh = panther_lite.apply_conversion_config(MODELS[name][0]().eval(), panther_lite.conversion_config(model))
+    fresh.load_state_dict(model.state_dict())
+    fresh.save_pretrained(tmp_path)  # transformers' own save
+    config = _config(tmp_path)
+    assert config["quantization_config"]["conversion"] == panther_lite.conversion_config(model)
+    assert config[GUARD_KEY] == GUARD
+    loaded = _load(name, tmp_path)
+    assert _layout(loaded) == _layout(model)
     assert torch.equal(_logits(loaded), _logits(model))
 
 
