@@ -30,7 +30,7 @@ from .arguments import DTYPES, positive_float, positive_int
 from .config_options import Option, add_config_options, config_overrides
 from .checkpoint import CommandError, calibration_batches, check_model_dir, load_tokenizer, read_samples
 from .recipes import RECIPES, add_recipe_option
-from .distilling import add_distill_options, check_distill_options, distiller
+from .distilling import add_distill_options, check_distill_memory, check_distill_options, distiller
 from .evaluation import Evaluation, add_evaluation_options
 from .torchrun import across_processes, add_distributed_arguments, first_process, several_processes
 
@@ -293,6 +293,8 @@ def run_compress(args: argparse.Namespace) -> int:
     with _transformers_bars(shown=not args.quiet), quiet_optional_imports(), _warnings_on_one_line():
         tokenizer = load_tokenizer(args.model_dir)
         files = CheckpointFiles(args.model_dir)
+        if args.distill:
+            check_distill_memory(files.skeleton(DTYPES.get(args.dtype)), config)
         text, batches = _calibration(args, tokenizer, files, say)
         if not several_processes():  # across processes, after the conversion: the others never wait for it
             evaluation.measure("original", args.model_dir, args.quiet)

@@ -18,17 +18,21 @@ from typing import Callable, List, Optional
 
 import torch.nn as nn
 
-from ..conversion import DistillConfig, TeacherOutputs, distill, teacher_outputs
+from ..conversion import ConvertConfig, DistillConfig, TeacherOutputs, distill, teacher_outputs
 from ..conversion.distilling import DistillationResult, sampled_batches
+from ..conversion.distilling.memory import check_training_memory
 from ..conversion.pipelines.blocks import without_kv_cache
 from ..conversion.pipelines.streamed_model import streamed_model
+from ..conversion.selection import select_layers
 from .arguments import positive_float, positive_int
 from .checkpoint import CommandError
 from .config_options import Option, add_config_options, config_overrides
 
-__all__ = ["DISTILLATION_CSV", "add_distill_options", "check_distill_options", "distiller", "run_distill"]
+__all__ = ["DISTILLATION_CSV", "add_distill_options", "check_distill_options", "check_distill_memory", "distiller",
+           "run_distill"]
 
 DISTILLATION_CSV = "distillation.csv"
+_STORED_AT_LEAST = 0.9  # of param_ratio: the least a uniform allocation stores where a rank step allows
 SAMPLED_PREFIX = 16  # calibration tokens each --distill-generate sequence continues (half of shorter samples)
 
 
@@ -64,6 +68,20 @@ def check_distill_options(args: argparse.Namespace) -> dict:
         raise CommandError("--distill-max-steps, --distill-lr, --distill-top-k and --distill-generate set the "
                            "distillation: add --distill")
     return settings
+
+
+def check_distill_memory(skeleton: nn.Module, config: ConvertConfig) -> None:
+    """Refuse ``--distill`` before the calibration is read and anything converted when the converted model cannot
+    even be held for training in this machine's memory: ``skeleton`` (the original on the meta
+    device) with the layers ``config`` selects at :data:`_STORED_AT_LEAST` of its ``param_ratio``
+    (their factors left out for ``--low-rank``), in float32, no element counted as trained (an
+    estimate from below; :func:`~panther_lite.distill` checks the exact need before it trains)."""
+    records = select_layers(skeleton, config.target_modules, config.exclude_modules, config.filter_fn)
+    selected = sum(parameter.numel() for record in records for parameter in record.module.parameters())
+    total = sum(parameter.numel() for parameter in skeleton.parameters())
+    stored = total - selected + int(selected * _STORED_AT_LEAST * (config.param_ratio or 0.0))
+    check_training_memory(stored, 0, "--distill",
+                          "leave --distill out (--no-distill after --recipe), or compress on a machine with more memory")
 
 
 def _with_samples(args: argparse.Namespace, batches: List[dict], dtype, say) -> List[dict]:

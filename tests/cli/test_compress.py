@@ -24,6 +24,8 @@ import panther_lite  # noqa: E402
 from panther_lite.cli import compress as compress_module  # noqa: E402
 from panther_lite.cli import distilling as distilling_module  # noqa: E402
 from panther_lite.cli import main  # noqa: E402
+from panther_lite.conversion.distilling import distillation as distillation_module  # noqa: E402
+from panther_lite.conversion.distilling import memory as memory_module  # noqa: E402
 from panther_lite.conversion.distilling import sampled_batches  # noqa: E402
 from panther_lite.conversion.pipelines import out_of_core  # noqa: E402
 from panther_lite.conversion.workflows import compress as compress_library  # noqa: E402
@@ -419,6 +421,47 @@ def test_distill_generate_trains_on_sequences_the_streamed_original_samples_afte
     assert len(seen["data"]) == len(batches) + len(expected) == len(seen["cached"])
     for got, want in zip(seen["data"][len(batches):], expected):  # the streamed teacher samples as the whole one
         assert torch.equal(got["input_ids"], want["input_ids"]) and bool(got["attention_mask"].all())
+
+
+def _memory_checks(monkeypatch, *modules):
+    """The ``(caller, elements, trained)`` each memory check in ``modules`` is asked about, recorded."""
+    seen = []
+    for module in modules:
+        real = module.check_training_memory
+        monkeypatch.setattr(module, "check_training_memory", lambda elements, trained, caller, remedy, real=real: (
+            seen.append((caller, elements, trained)), real(elements, trained, caller, remedy)))
+    return seen
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "global"])
+def test_distill_memory_is_estimated_before_the_conversion_from_below_the_model_distill_trains(
+    checkpoints, text_file, tmp_path, monkeypatch, allocation
+):
+    seen = _memory_checks(monkeypatch, distilling_module, distillation_module)
+    argv = _argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS, "--allocation", allocation,
+                 "--distill", "--distill-steps", "1")
+    assert main(argv) == 0
+    (before, estimate, none_trained), (during, exact, trained) = seen
+    assert (before, during, none_trained) == ("--distill", "distill", 0) and trained > 0
+    assert 0.8 * exact <= estimate <= exact  # a close estimate, never above what distill holds
+
+
+def test_distill_beyond_this_machines_memory_is_refused_before_the_conversion_starts(
+    checkpoints, text_file, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(memory_module, "physical_memory", lambda: 2**10)
+    real_calibration, real_compress = compress_module._calibration, compress_module.compress_checkpoint
+    monkeypatch.setattr(compress_module, "compress_checkpoint", lambda *a, **k: pytest.fail("converted"))
+    monkeypatch.setattr(compress_module, "_calibration", lambda *a: pytest.fail("read the calibration"))
+    argv = _argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS, "--distill")
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "--distill: training this model needs at least" in err and "this machine's 1.0 KiB of memory" in err
+    assert "leave --distill out (--no-distill after --recipe)" in err
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
+    monkeypatch.setattr(compress_module, "_calibration", real_calibration)
+    monkeypatch.setattr(compress_module, "compress_checkpoint", real_compress)
+    assert main(_argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS)) == 0  # without --distill: runs
 
 
 def test_distill_generate_refuses_one_token_samples_and_leaves_out_dir_unwritten(checkpoints, tmp_path, capsys):

@@ -12,7 +12,6 @@ at a small cost in the calibration domain (0.86 / 0.70 with 256 such sequences o
 """
 from __future__ import annotations
 
-import os
 import re
 from typing import Dict, List, Optional, Tuple
 
@@ -20,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ...nn.validation import check_int, check_positive_int
+from ..physical_memory import physical_memory
 
 __all__ = ["random_token_batches", "ordinary_token_ids", "model_positions"]
 
@@ -87,9 +87,8 @@ def _check_width(length: int, specials: int, tokenizer, model: Optional[nn.Modul
 
 def _check_memory(count: int, width: int) -> None:
     """Refuse batches larger than the machine's memory before allocating them."""
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # no sysconf (Windows) or no such name
+    total = physical_memory()
+    if total is None:
         return
     needed = count * width * (torch.iinfo(torch.long).bits // 8) * _INT64_COPIES
     if needed > total:

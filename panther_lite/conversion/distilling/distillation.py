@@ -38,6 +38,7 @@ from ..process_groups.distillation import batch_owner, check_cache_share
 from ..process_groups.group import ProcessGroupRun, running_on
 from ..process_groups.run import resolve_run
 from .config import RANDOM_TOKEN_LENGTH, TRAINABLE, DistillConfig
+from .memory import check_training_memory
 from .objective import Objective
 from .run import RandomTokens, Run, Session, data_batches, device_of, live_targets, on_device, optimise, warmup_steps
 from .teacher_cache import TeacherOutputs
@@ -130,6 +131,14 @@ def _checked_parameters(model: nn.Module, teacher, train: Tuple[str, ...]) -> Li
     return parameters
 
 
+def _check_memory(model: nn.Module, parameters: List[nn.Parameter]) -> None:
+    """Refuse a model on the CPU that this machine's memory cannot train (:mod:`.memory`)."""
+    if device_of(model).type == "cpu":
+        elements = sum(tensor.numel() for tensor in itertools.chain(model.parameters(), model.buffers()))
+        check_training_memory(elements, sum(parameter.numel() for parameter in parameters), "distill",
+                              "train on a machine with more memory, or a GPU")
+
+
 def _session(model: nn.Module, teacher, data, settings: DistillConfig, objective: Objective,
              run: Optional[ProcessGroupRun]) -> Session:
     """The batches and what they are compared with: ``teacher`` run live (the training random-token
@@ -211,7 +220,8 @@ def distill(model: nn.Module, teacher: Union[nn.Module, TeacherOutputs], data, c
         ``model is teacher``, no sketched layer in ``model``, tensors the teacher shares that
         training would change (the trained ones; in half precision, any), empty or
         single-batch ``data``, a bad batch, ``data`` or settings other than a cache's, outputs that differ in shape or are not
-        floating-point tensors, a non-finite loss before training, and
+        floating-point tensors, a non-finite loss before training, a model on the CPU that needs
+        more than this machine's memory to train, and
         settings out of range (``lr <= 0``, ``holdout`` outside (0, 1), ...). Across processes,
         on every process: processes holding different batches, fewer batches (with the
         random-token ones) than processes, a cache holding another process's share.
@@ -221,6 +231,7 @@ def distill(model: nn.Module, teacher: Union[nn.Module, TeacherOutputs], data, c
     _check_models(model, teacher)
     objective = Objective(settings.outputs, settings.loss, settings.temperature)
     parameters = _checked_parameters(model, teacher, settings.train)
+    _check_memory(model, parameters)
     run = resolve_run(process_group)
     session = _session(model, teacher, data, settings, objective, run)
     with running_on(run), only_these_train(model, parameters), best_kept(parameters) as best, in_float32(model) as widened:

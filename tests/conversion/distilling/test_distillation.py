@@ -6,6 +6,7 @@ counts only real tokens, and refuses bad settings with the model unchanged."""
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pandas as pd
 import pytest
@@ -14,6 +15,7 @@ import torch.nn as nn
 
 import panther_lite
 from panther_lite.conversion.distilling.distillation import RANDOM_TOKEN_LENGTH, DistillationResult, trained_parameters
+from panther_lite.conversion.distilling import memory as memory_module
 from panther_lite.conversion.distilling.run import Run, warmup_steps
 from panther_lite.conversion.distilling.objective import relative_squared_error, softened_kl
 from panther_lite.nn import SKConv2d, SKLinear
@@ -397,6 +399,22 @@ def test_bad_settings_are_named_and_change_nothing(case):
         panther_lite.distill(kwargs.pop("model"), kwargs.pop("teacher"), kwargs.pop("data"), **kwargs)
     assert_same(model, before)
     assert_same(teacher, teacher_before)
+
+
+def test_a_model_this_machines_memory_cannot_train_is_refused_before_anything_changes(monkeypatch):
+    teacher = dense_mlp()
+    model = student_of(teacher)
+    elements = sum(t.numel() for t in itertools.chain(model.parameters(), model.buffers()))
+    trained = sum(p.numel() for p in trained_parameters(model, ("factors", "biases")))
+    needed = 4 * elements + 16 * trained  # float32 model; best copy, gradient, Adam's two moments per trained
+    monkeypatch.setattr(memory_module, "physical_memory", lambda: needed - 1)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=rf"distill: training this model needs at least .* \(its {elements:,} elements in "
+                                         rf"float32; for the {trained:,} that train, .*more memory, or a GPU"):
+        panther_lite.distill(model, teacher, inputs(4), max_steps=2, progress=False)
+    assert_same(model, before)
+    monkeypatch.setattr(memory_module, "physical_memory", lambda: needed)  # exactly enough: it trains
+    assert panther_lite.distill(model, teacher, inputs(4), max_steps=2, progress=False).steps == 2
 
 
 def test_trained_parameters_shared_with_the_teacher_are_refused():
