@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch.nn as nn
 
 from ..conversion import ConvertConfig, DistillConfig, TeacherOutputs, distill, teacher_outputs
 from ..conversion.distilling import DistillationResult, sampled_batches
+from ..conversion.distilling.config import TRAINABLE
 from ..conversion.distilling.memory import check_training_memory
 from ..conversion.pipelines.blocks import without_kv_cache
 from ..conversion.pipelines.streamed_model import streamed_model
@@ -36,15 +37,23 @@ _STORED_AT_LEAST = 0.9  # of param_ratio: the least a uniform allocation stores 
 SAMPLED_PREFIX = 16  # calibration tokens each --distill-generate sequence continues (half of shorter samples)
 
 
+def _trained(text: str) -> Tuple[str, ...]:
+    """``argparse`` type for ``--distill-train``: comma-separated names of :data:`TRAINABLE`."""
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(name in TRAINABLE for name in names):
+        raise argparse.ArgumentTypeError(f"expected one or more of {','.join(TRAINABLE)}, comma-separated, got {text!r}")
+    return names
+
+
 DISTILL_OPTIONS = (
     Option("max_steps", positive_int, aliases=("--distill-steps",)), Option("lr", positive_float),
-    Option("top_k", positive_int),
+    Option("top_k", positive_int), Option("train", _trained, metavar="factors,biases,norms"),
 )
 
 
 def add_distill_options(command: argparse.ArgumentParser) -> None:
     """``--distill``, the :class:`~panther_lite.DistillConfig` fields it offers
-    (``--distill-max-steps``, ``--distill-lr``, ``--distill-top-k``) and ``--distill-generate``
+    (``--distill-max-steps``, ``--distill-lr``, ``--distill-top-k``, ``--distill-train``) and ``--distill-generate``
     in their own group."""
     group = command.add_argument_group("distillation against the original (panther_lite.distill, DistillConfig's fields)")
     group.add_argument("--distill", action=argparse.BooleanOptionalAction, default=None,
@@ -65,7 +74,7 @@ def check_distill_options(args: argparse.Namespace) -> dict:
     are ignored)."""
     settings = config_overrides(args, DISTILL_OPTIONS, prefix="distill-")
     if (settings or args.distill_generate) and args.distill is None:
-        raise CommandError("--distill-max-steps, --distill-lr, --distill-top-k and --distill-generate set the "
+        raise CommandError("--distill-max-steps, --distill-lr, --distill-top-k, --distill-train and --distill-generate set the "
                            "distillation: add --distill")
     return settings
 
