@@ -467,6 +467,28 @@ def test_distill_beyond_this_machines_memory_is_refused_before_the_conversion_st
     assert main(_argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS)) == 0  # without --distill: runs
 
 
+def test_distill_refused_after_the_conversion_keeps_it_and_a_resume_without_distill_finishes(
+    checkpoints, text_file, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(distilling_module, "check_training_memory", lambda *a: None)  # the estimate let it through
+    monkeypatch.setattr(memory_module, "physical_memory", lambda: 2**10)  # distill's exact count does not
+    output = tmp_path / "out"
+    argv = _argv(checkpoints["llama"], text_file, output, *RATIO_ARGS, "--distill")
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "distill: training this model needs at least" in err and "with --resume to continue" in err
+    assert not output.exists()
+    monkeypatch.undo()
+    assert main([*argv, "--no-distill", "--resume"]) == 0
+    assert main(_argv(checkpoints["llama"], text_file, tmp_path / "direct", *RATIO_ARGS)) == 0
+    resumed, direct = (panther_lite.from_pretrained(transformers.AutoModelForCausalLM, path).eval()
+                       for path in (output, tmp_path / "direct"))
+    ids = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(resumed(ids).logits, direct(ids).logits, rtol=0, atol=0)
+    assert _leftovers(tmp_path, output) == ["direct"]
+
+
 def test_distill_generate_refuses_one_token_samples_and_leaves_out_dir_unwritten(checkpoints, tmp_path, capsys):
     words = tmp_path / "words.txt"
     words.write_text("\n".join(["alpha", "beta", "gamma"] * 4))

@@ -12,7 +12,7 @@ import secrets
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 import torch
 
@@ -35,7 +35,7 @@ from ..saving.loading import from_pretrained
 from ..saving.pretrained import save_pretrained, save_transformers_config
 from ..saving.resume_state import RESUME_DIRECTORY, RunState, filter_fingerprint
 from ..saving.serialization import conversion_config
-from ..saving.shards import finalize_shards
+from ..saving.shards import finalize_shards, shard_name
 from ..saving.staging import staged_directory, staging_path
 from ..saving.weight_files import writing
 
@@ -144,6 +144,16 @@ def _distill_written(files: CheckpointFiles, dtype: torch.dtype, converted: Path
         save_pretrained(model, directory)
 
 
+def _take_back(parts: List[Path], elsewhere: Path) -> None:
+    """The ``parts`` an earlier run already moved into ``elsewhere`` as its shards, moved back: a
+    run with ``distill`` finalizes the shards in the scratch space, one without in the output, so a
+    conversion resumes with the distillation turned on or off."""
+    for index, part in enumerate(parts):
+        shard = elsewhere / shard_name(index, len(parts))
+        if not part.exists() and shard.exists():
+            os.replace(shard, part)
+
+
 def _convert_into(
     files: CheckpointFiles, dtype: torch.dtype, config: ConvertConfig, data: CalibrationData, state: RunState,
     directory: Optional[Path], in_memory: bool, allow_missing: bool, distill: Optional[Distiller],
@@ -168,6 +178,7 @@ def _convert_into(
             count = len(pipeline.block_list.blocks)
             parts = [state.part_path("outside"), *(state.part_path(f"block-{index:05d}") for index in range(count))]
             converted.mkdir(exist_ok=True)
+            _take_back(parts, state.scratch(_CONVERTED) if distill is None else directory)
             finalize_shards(parts, converted)
             save_transformers_config(model, converted, conversion_config(model))
         if distill is not None:
@@ -260,7 +271,9 @@ def compress_checkpoint(
             size, :func:`~panther_lite.from_pretrained`), trained and saved into the output:
             memory holds the compressed model and its training state, never the original
             whole. A run stopped while distilling resumes (``resume=True``) after the last
-            block converted: the distillation alone runs again, from the converted model.
+            block converted: the distillation alone runs again, from the converted model; or,
+            given ``distill=None`` (the distillation failed, e.g. beyond the machine's memory),
+            the converted model is written as it is (a conversion resumes with or without it).
             Across processes it runs on every process (``directory`` None on all but rank 0),
             each loading the checkpoint rank 0 converted, e.g. :func:`~panther_lite.distill`
             across them.
@@ -322,8 +335,7 @@ def _compress_first(
             raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(path).__name__}")
     files = CheckpointFiles(Path(model_dir))
     dtype = dtype or files.default_dtype()
-    own = {"dtype": str(dtype), "overwrite": overwrite, "in_memory": in_memory, "allow_missing_weights": allow_missing_weights,
-           "distill": distill is not None}
+    own = {"dtype": str(dtype), "overwrite": overwrite, "in_memory": in_memory, "allow_missing_weights": allow_missing_weights}
     fingerprint = _fingerprint(files, config, data, own)
     _check_resumable_filter(config, output_dir, resume)
     state = None

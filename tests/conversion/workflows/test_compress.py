@@ -370,8 +370,6 @@ def test_a_run_stopped_while_distilling_resumes_with_the_distillation_alone(save
     with pytest.raises(KeyboardInterrupt):
         panther_lite.compress_checkpoint(saved["llama"], output, distill=_distill_step(seen, fail=True), **options)
     assert not output.exists()
-    with pytest.raises(ValueError, match="distill"):  # the record says the stopped run distilled
-        panther_lite.compress_checkpoint(saved["llama"], output, resume=True, **options)
     panther_lite.compress_checkpoint(saved["llama"], output, resume=True, distill=_distill_step(seen), **options)
     assert seen["sketched"] and (output / "step.txt").read_text() == "ran"
     expected = _distill_step({})
