@@ -72,7 +72,7 @@ DOCSTRING_MODULES = {
     "validation": "argparse collections json logging pathlib subprocess threading textwrap functools csv",
     "test": "datetime decimal fractions statistics shutil tarfile zipfile dataclasses enum typing",
 }
-QUICK_DISTILL = ["--distill-max-steps", "3"]  # --quick: a few steps show the distillation runs
+QUICK_DISTILL = ["--distill-max-steps", "3", "--distill-generate", "8"]  # --quick: a few steps and samples show it runs
 PROSE = {"validation": DATA / "validation_sentences.txt", "test": DATA / "natural_sentences.txt"}
 
 
