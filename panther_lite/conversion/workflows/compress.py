@@ -144,14 +144,14 @@ def _distill_written(files: CheckpointFiles, dtype: torch.dtype, converted: Path
         save_pretrained(model, directory)
 
 
-def _take_back(parts: List[Path], elsewhere: Path) -> None:
-    """The ``parts`` an earlier run already moved into ``elsewhere`` as its shards, moved back: a
-    run with ``distill`` finalizes the shards in the scratch space, one without in the output, so a
-    conversion resumes with the distillation turned on or off."""
+def _take_back(parts: List[Path], elsewhere: Path, converted: Path) -> None:
+    """The ``parts`` an earlier run already moved into ``elsewhere`` as its shards (and not yet into
+    ``converted``), moved back: a run with ``distill`` finalizes the shards in the scratch space,
+    one without in the output, so a conversion resumes with the distillation turned on or off."""
     for index, part in enumerate(parts):
-        shard = elsewhere / shard_name(index, len(parts))
-        if not part.exists() and shard.exists():
-            os.replace(shard, part)
+        name = shard_name(index, len(parts))
+        if not part.exists() and not (converted / name).exists() and (elsewhere / name).exists():
+            os.replace(elsewhere / name, part)
 
 
 def _convert_into(
@@ -178,7 +178,7 @@ def _convert_into(
             count = len(pipeline.block_list.blocks)
             parts = [state.part_path("outside"), *(state.part_path(f"block-{index:05d}") for index in range(count))]
             converted.mkdir(exist_ok=True)
-            _take_back(parts, state.scratch(_CONVERTED) if distill is None else directory)
+            _take_back(parts, state.scratch(_CONVERTED) if distill is None else directory, converted)
             finalize_shards(parts, converted)
             save_transformers_config(model, converted, conversion_config(model))
         if distill is not None:
