@@ -22,6 +22,7 @@ from ..conversion import ConvertConfig, DistillConfig, TeacherOutputs, distill, 
 from ..conversion.distilling import DistillationResult, sampled_batches
 from ..conversion.distilling.config import TRAINABLE
 from ..conversion.distilling.memory import check_training_memory
+from ..conversion.fitting.autocast import AUTOCAST_CHOICES
 from ..conversion.pipelines.blocks import without_kv_cache
 from ..conversion.pipelines.streamed_model import streamed_model
 from ..conversion.selection import select_layers
@@ -48,12 +49,14 @@ def _trained(text: str) -> Tuple[str, ...]:
 DISTILL_OPTIONS = (
     Option("max_steps", positive_int, aliases=("--distill-steps",)), Option("lr", positive_float),
     Option("top_k", positive_int), Option("train", _trained, metavar="factors,biases,norms"),
+    Option("autocast", AUTOCAST_CHOICES),
 )
 
 
 def add_distill_options(command: argparse.ArgumentParser) -> None:
     """``--distill``, the :class:`~panther_lite.DistillConfig` fields it offers
-    (``--distill-max-steps``, ``--distill-lr``, ``--distill-top-k``, ``--distill-train``) and ``--distill-generate``
+    (``--distill-max-steps``, ``--distill-lr``, ``--distill-top-k``, ``--distill-train``, ``--distill-autocast``) and
+    ``--distill-generate``
     in their own group."""
     group = command.add_argument_group("distillation against the original (panther_lite.distill, DistillConfig's fields)")
     group.add_argument("--distill", action=argparse.BooleanOptionalAction, default=None,
@@ -74,8 +77,8 @@ def check_distill_options(args: argparse.Namespace) -> dict:
     are ignored)."""
     settings = config_overrides(args, DISTILL_OPTIONS, prefix="distill-")
     if (settings or args.distill_generate) and args.distill is None:
-        raise CommandError("--distill-max-steps, --distill-lr, --distill-top-k, --distill-train and --distill-generate set the "
-                           "distillation: add --distill")
+        raise CommandError("--distill-max-steps, --distill-lr, --distill-top-k, --distill-train, --distill-autocast and "
+                           "--distill-generate set the distillation: add --distill")
     return settings
 
 

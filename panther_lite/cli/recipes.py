@@ -18,8 +18,8 @@ RECIPES: Dict[str, Tuple[str, ...]] = {
     # chosen on validation text (benchmarks/bench_llm_ppl.py --split validation; docs/evaluation.rst)
     "causal-lm": (
         "--allocation", "global", "--sensitivity", "kl", "--sequential", "--random-tokens", "256",
-        "--distill", "--distill-max-steps", "200", "--distill-lr", "2e-4", "--distill-generate", "256",
-        "--distill-train", "factors,biases,norms",
+        "--distill", "--distill-max-steps", "320", "--distill-lr", "2e-4", "--distill-generate", "256",
+        "--distill-train", "factors,biases,norms", "--distill-autocast", "auto",
     ),
 }
 """``{name: its options}``, as they would be typed."""

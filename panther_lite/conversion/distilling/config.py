@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 from ...nn.validation import check_choice, check_int, check_positive_int
 from ..config import check_holdout, check_lr
+from ..fitting.autocast import check_autocast
 from .objective import check_loss, check_outputs, check_temperature
 
 __all__ = ["DistillConfig", "TRAINABLE", "RANDOM_TOKEN_LENGTH", "SCHEDULES"]
@@ -70,6 +71,15 @@ class DistillConfig:
             from the end of the warm-up.
         eval_every: steps between evaluations (None: one pass over the training batches).
         seed: the order of the training batches and the random tokens.
+        autocast: the dtype the student's forwards and backwards run in, under ``torch.autocast``
+            on its device: ``"bfloat16"``, ``"float16"`` (or the torch dtypes), ``"auto"``
+            (bfloat16 where the device computes it natively: a GPU of compute capability 8.0 or
+            later, a CPU with AVX512-BF16 or AMX; float32 elsewhere), or None (float32). The
+            parameters, their gradients and Adam's state stay in float32 and the loss is taken
+            in float32; float16 scales the loss (``torch.amp.GradScaler``) so that small
+            gradients are not flushed to zero. On a CPU with AVX512-BF16, SmolLM2-135M's forward
+            and backward run 2.4x faster in bfloat16, a whole distillation step 1.4x
+            (:mod:`~panther_lite.conversion.fitting.autocast`).
         progress: a tqdm bar over the steps (None: on a terminal only).
 
     Examples:
@@ -93,6 +103,7 @@ class DistillConfig:
     patience: int = 10
     eval_every: Optional[int] = None
     seed: int = 0
+    autocast: Any = None
     progress: Optional[bool] = None
 
     def __post_init__(self) -> None:
@@ -116,3 +127,4 @@ class DistillConfig:
         if self.eval_every is not None:
             set_field("eval_every", check_positive_int("eval_every", self.eval_every))
         set_field("seed", check_int("seed", self.seed, minimum=0))
+        set_field("autocast", check_autocast(self.autocast, "distill"))

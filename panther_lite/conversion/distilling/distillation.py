@@ -31,6 +31,7 @@ import torch.nn as nn
 from ...nn.layer_base import SketchedLayer
 from ..calibration.batches import evaluation_run
 from ..config import configured
+from ..fitting.autocast import resolve_autocast
 from ..fitting.block_refinement import only_these_train
 from ..fitting.master_weights import HALF_DTYPES, in_float32
 from ..fitting.refinement import best_kept
@@ -60,6 +61,7 @@ class DistillationResult:
     ``stopped_early``: stopped before ``max_steps``; ``loss``: the loss used (``"mse"``,
     ``"kl"``, ``"callable"``); ``train_batches`` / ``held_batches``: how the batches were
     split; ``trained_elements``: parameter elements trained; ``seconds``: wall time;
+    ``autocast``: the dtype the student ran in under ``torch.autocast`` (None: its own, float32);
     ``history``: ``(step, mean training loss since the previous evaluation, held-back loss)``
     at each evaluation, step 0 first (its training loss is NaN).
     """
@@ -75,6 +77,7 @@ class DistillationResult:
     held_batches: int
     trained_elements: int
     seconds: float
+    autocast: Optional[torch.dtype] = None
     history: Tuple[Tuple[int, float, float], ...] = field(default=(), repr=False)
 
     def history_frame(self) -> "pd.DataFrame":
@@ -208,7 +211,9 @@ def distill(model: nn.Module, teacher: Union[nn.Module, TeacherOutputs], data, c
     Half precision: a float16/bfloat16 student is held in float32 while it trains (float32
     master weights: its forward, backward and Adam's updates in float32, so small updates
     accumulate), the losses measured so, and rounded back to its dtype at the end; the
-    teacher runs in its own dtype. The model trains in eval mode (no dropout);
+    teacher runs in its own dtype. With ``autocast``, the student's forwards and backwards (the
+    held-back losses' too) run in bfloat16 or float16 under ``torch.autocast`` while the parameters
+    and the optimizer stay in float32. The model trains in eval mode (no dropout);
     every module's mode, every parameter's ``requires_grad`` and the trained parameters'
     ``.grad`` are restored afterwards, also after an error or KeyboardInterrupt, which leave
     the model with the best parameters found so far.
@@ -234,6 +239,7 @@ def distill(model: nn.Module, teacher: Union[nn.Module, TeacherOutputs], data, c
     _check_memory(model, parameters)
     run = resolve_run(process_group)
     session = _session(model, teacher, data, settings, objective, run)
+    session.autocast = resolve_autocast(settings.autocast, session.device)
     with running_on(run), only_these_train(model, parameters), best_kept(parameters) as best, in_float32(model) as widened:
         session.widen = widened
         with evaluation_run(model):
@@ -254,5 +260,6 @@ def distill(model: nn.Module, teacher: Union[nn.Module, TeacherOutputs], data, c
         held_batches=len(session.held),
         trained_elements=sum(parameter.numel() for parameter in parameters),
         seconds=time.perf_counter() - start,
+        autocast=session.autocast,
         history=tuple(run.history),
     )

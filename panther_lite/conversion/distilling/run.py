@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..calibration.batches import evaluation_run, run_batch
 from ..calibration.random_tokens import random_token_batches
+from ..fitting.autocast import autocast_run, loss_scaler
 from ..fitting.master_weights import widened
 from ..fitting.refinement import held_back_indices
 from ..process_groups.distillation import Owned
@@ -94,13 +95,16 @@ class Session:
     ``data``'s batches and then the random-token ones; ``held`` / ``train``: the indices of the
     held-back and training batches, spread evenly over them all; ``widen``: the student is held
     in float32 (:func:`~panther_lite.conversion.fitting.master_weights.in_float32`), so its
-    batches' half-precision tensors are widened (the teacher's are not); ``owned(i)``: batch ``i``
+    batches' half-precision tensors are widened (the teacher's are not); ``autocast``: the dtype
+    the student runs in under ``torch.autocast`` (None: its own); ``owned(i)``: batch ``i``
     runs on this process (set by the caller; every batch in one process)."""
 
     def __init__(self, model, targets: Targets, data: list, random_tokens: RandomTokens, holdout: float,
                  objective) -> None:
         self.model, self.targets, self.objective, self.random_tokens = model, targets, objective, random_tokens
+        self.device = device_of(model)
         self.widen = False
+        self.autocast: Optional[torch.dtype] = None
         self.owned: Owned = lambda index: True
         self.first_random, self.batches = len(data), data + random_tokens.draw(0)
         if len(self.batches) < 2:
@@ -115,7 +119,8 @@ class Session:
         """The loss of batch ``index``: the teacher's target first, then the student as it is."""
         batch = self.batches[index]
         target = self.targets(index, batch)
-        output = run_batch(self.model, widened(batch) if self.widen else batch, index)
+        with autocast_run(self.autocast, self.device):
+            output = run_batch(self.model, widened(batch) if self.widen else batch, index)
         return self.objective(batch, output, target)
 
     def held_loss(self) -> float:
@@ -206,17 +211,22 @@ class Run:
         return True
 
 
-def _step(session: Session, index: int, optimizer) -> Tuple[bool, Optional[float]]:
+def _step(session: Session, index: int, optimizer, scaler: torch.amp.GradScaler) -> Tuple[bool, Optional[float]]:
     """One Adam step on batch ``index``: whether it was taken (not when the loss is not finite, on
-    the rank holding the batch) and the loss (None on a rank that does not hold the batch)."""
+    the rank holding the batch) and the loss (None on a rank that does not hold the batch).
+    ``scaler`` scales the loss of a float16 autocast (every rank scales, so every rank unscales
+    the summed gradients alike; a step whose gradients overflow is skipped and the scale lowered)."""
     optimizer.zero_grad(set_to_none=True)
     loss = session.loss(index) if session.owned(index) else None
     failed = loss is not None and not bool(torch.isfinite(loss))
-    if loss is not None and not failed:
-        loss.backward()
+    backward = loss is not None and not failed
+    scaled = scaler.scale(loss if backward else torch.zeros((), device=session.device))
+    if backward:
+        scaled.backward()
     if sum_gradients([p for group in optimizer.param_groups for p in group["params"]], failed):
         return False, None
-    optimizer.step()
+    scaler.step(optimizer)
+    scaler.update()
     return True, None if loss is None else float(loss.detach())
 
 
@@ -224,13 +234,14 @@ def optimise(session: Session, parameters, best: List[Tensor], run: Run, setting
     """Train until ``max_steps``, ``patience`` evaluations without a better held-back loss,
     or a non-finite loss, keeping the best parameters in ``best``."""
     optimizer = torch.optim.Adam(parameters, lr=settings.lr)
+    scaler = loss_scaler(session.autocast, session.device)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(settings.schedule, settings.max_steps))
     order = session.passes(settings.seed)
     eval_every = settings.eval_every or len(session.train)
     bar = progress_bar(range(1, settings.max_steps + 1), "distilling", "step", progress)
     try:
         for step in bar:
-            taken, loss = _step(session, next(order), optimizer)
+            taken, loss = _step(session, next(order), optimizer, scaler)
             if not taken:
                 run.stop_reason = "non-finite loss"
                 return

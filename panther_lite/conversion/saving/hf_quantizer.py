@@ -92,8 +92,11 @@ class PantherLiteHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         """The loaded model's ``save_pretrained`` records its conversion and keeps the guard
-        (:func:`.hf_recording.record_conversion_on_save`)."""
+        (:func:`.hf_recording.record_conversion_on_save`). Its parameters are ordinary floating
+        tensors, so it is not marked quantized: transformers refuses ``.half()``/``.float()`` and
+        the Trainer refuses fine-tuning without adapters on quantized models."""
         record_conversion_on_save(model)
+        model.is_quantized = False
         return model
 
     def is_serializable(self) -> bool:

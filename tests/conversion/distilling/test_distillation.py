@@ -18,6 +18,8 @@ from panther_lite.conversion.distilling.distillation import RANDOM_TOKEN_LENGTH,
 from panther_lite.conversion.distilling import memory as memory_module
 from panther_lite.conversion.distilling.run import Run, warmup_steps
 from panther_lite.conversion.distilling.objective import relative_squared_error, softened_kl
+from panther_lite.conversion.fitting import autocast as autocast_module
+from panther_lite.conversion.fitting.autocast import loss_scaler
 from panther_lite.nn import SKConv2d, SKLinear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -279,6 +281,79 @@ def test_float16_trains_in_float32_and_stays_float16():
     assert result.loss_after < 0.9 * result.loss_before
 
 
+# ----------------------------------------------------------------------------- autocast
+
+
+def test_autocast_runs_the_student_in_bfloat16_and_keeps_float32_parameters():
+    teacher = dense_mlp()
+    model = student_of(teacher)
+    seen = []
+    hook = model[0].register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    result = panther_lite.distill(model, teacher, inputs(8), max_steps=40, lr=3e-3, autocast="bfloat16",
+                                  progress=False)
+    hook.remove()
+    assert set(seen) == {torch.bfloat16}  # the training steps and the held-back losses alike
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert result.autocast == torch.bfloat16 and result.loss_after < 0.9 * result.loss_before
+
+
+def _one_step_reference(model, teacher, batch, dtype, scale=1.0):
+    """The trained parameters after one Adam step (lr 1e-3) on the gradient of ``model``'s
+    forward under autocast in ``dtype``, its loss scaled by ``scale`` and the gradient unscaled."""
+    reference = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=dtype):
+        output = reference(batch)
+    (relative_squared_error(output, teacher(batch).detach()) * scale).backward()
+    expected = {}
+    for name, p in reference.named_parameters():
+        if p.grad is not None and name.endswith(("S1", "S2", "bias")) and name[0] != "3":
+            p.grad /= scale
+            torch.optim.Adam([p], lr=1e-3).step()
+            expected[name] = p.detach()
+    return expected
+
+
+@pytest.mark.parametrize("dtype, scale", [(torch.bfloat16, 1.0), (torch.float16, 2.0 ** 16)])
+def test_an_autocast_step_is_adam_on_the_gradient_of_the_autocast_forward(dtype, scale):
+    """bfloat16 unscaled; float16 through GradScaler's first scale (2^16), unscaled before Adam."""
+    teacher = dense_mlp()
+    model = student_of(teacher)
+    batches = inputs(2)  # batch 1 held back, batch 0 trains
+    expected = _one_step_reference(model, teacher, batches[0], dtype, scale)
+    result = panther_lite.distill(model, teacher, batches, max_steps=1, lr=1e-3, autocast=dtype, progress=False)
+    assert result.best_step == 1 and result.autocast == dtype
+    for name, value in expected.items():
+        torch.testing.assert_close(model.get_parameter(name), value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_float16_autocast_trains_through_its_loss_scaler(monkeypatch):
+    scaling = []
+    real_scale = torch.amp.GradScaler.scale
+    monkeypatch.setattr(torch.amp.GradScaler, "scale",
+                        lambda self, outputs: scaling.append(self.is_enabled()) or real_scale(self, outputs))
+    teacher = dense_mlp()
+    model = student_of(teacher)
+    result = panther_lite.distill(model, teacher, inputs(8), max_steps=60, lr=3e-3, autocast="float16", progress=False)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert result.loss_after < 0.9 * result.loss_before
+    assert len(scaling) == 60 and all(scaling)  # every step's loss scaled
+    assert not loss_scaler(torch.bfloat16, torch.device("cpu")).is_enabled()
+
+
+@pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, None)])
+def test_auto_autocast_is_bfloat16_where_the_device_computes_it_natively(monkeypatch, native, expected):
+    monkeypatch.setattr(autocast_module, "native_bfloat16", lambda device: native)
+    teacher = dense_mlp()
+    result = panther_lite.distill(student_of(teacher), teacher, inputs(4), max_steps=2, autocast="auto",
+                                  progress=False)
+    assert result.autocast == expected
+
+
+def test_native_bfloat16_is_false_where_it_would_be_emulated():
+    assert autocast_module.native_bfloat16(torch.device("meta")) is False
+    assert isinstance(autocast_module.native_bfloat16(torch.device("cpu")), bool)
+
+
 # ----------------------------------------------------------------------------- losses and outputs
 
 
@@ -378,6 +453,8 @@ def _bad_settings():
         (dict(random_tokens=4), ValueError, "needs tokenizer"),
         (dict(random_tokens=-1), ValueError, "random_tokens"),
         (dict(random_token_length=0), ValueError, "random_token_length"),
+        (dict(autocast="int8"), ValueError, "autocast must be None, 'auto', torch.bfloat16 or torch.float16"),
+        (dict(autocast=torch.float64), ValueError, "autocast must be"),
         (dict(data=[d.double() for d in data]), RuntimeError, "dtype"),
     ]
 

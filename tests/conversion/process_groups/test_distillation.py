@@ -42,9 +42,11 @@ def _one_process(options: dict) -> dict:
             "best_step": result.best_step}
 
 
-@pytest.mark.parametrize("cached", [False, True], ids=["live-teacher", "cached-across"])
-def test_two_processes_distill_as_one_process(cached, tmp_path):
-    options = dict(DISTILL, cached=cached)
+@pytest.mark.parametrize("cached, autocast", [(False, None), (True, None), (True, "float16")],
+                         ids=["live-teacher", "cached-across", "cached-across-float16"])
+def test_two_processes_distill_as_one_process(cached, autocast, tmp_path):
+    """float16: every rank scales its loss (zero where it holds no batch) and unscales the summed gradients alike."""
+    options = dict(DISTILL, cached=cached, autocast=autocast)
     expected = _one_process(options)
     results = launch(2, dict(options, mode="distill"), tmp_path / "out.pt")
     for rank, (code, err) in enumerate(results):

@@ -146,6 +146,20 @@ def test_the_loaded_model_trains(tmp_path):
     assert q_proj.S1.grad is not None and not torch.equal(q_proj.S1, before)
 
 
+def test_the_loaded_model_casts_and_fine_tunes_as_a_float_model(tmp_path):
+    """transformers refuses .half()/.float() and adapter-free fine-tuning of quantized models; a
+    sketched model's parameters are floating tensors, so it allows both."""
+    from transformers.trainer_utils import validate_quantization_for_training
+
+    model = _converted(_llama)
+    panther_lite.save_pretrained(model, tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    validate_quantization_for_training(loaded)
+    assert {p.dtype for p in loaded.half().parameters()} == {torch.float16}
+    assert {p.dtype for p in loaded.float().parameters()} == {torch.float32}
+    torch.testing.assert_close(_logits(loaded, _ids()), _logits(model, _ids()), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("in_memory", [False, True], ids=["streamed", "in memory"])
 def test_compress_checkpoint_outputs_load_with_auto_model(in_memory, tmp_path):
     torch.manual_seed(0)
