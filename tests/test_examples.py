@@ -14,7 +14,7 @@ MODULES = [
     "panther_lite.conversion.deploy.freezing", "panther_lite.conversion.saving.loading",
     "panther_lite.conversion.kinds.registry", "panther_lite.conversion.kinds.strategy",
     "panther_lite.conversion.fitting.layer", "panther_lite.conversion.progress", "panther_lite.cli.config_options",
-    "panther_lite.evaluation.perplexity",
+    "panther_lite.evaluation.perplexity", "panther_lite.conversion.distilling.teacher_samples",
 ]
 
 

@@ -16,13 +16,14 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
+import torch
 import torch.nn as nn
 
 from ..conversion import ConvertConfig, DistillConfig, TeacherOutputs, distill, teacher_outputs
 from ..conversion.distilling import DistillationResult, sampled_batches
 from ..conversion.distilling.config import TRAINABLE
 from ..conversion.distilling.memory import check_training_memory
-from ..conversion.fitting.autocast import AUTOCAST_CHOICES
+from ..conversion.fitting.autocast import AUTOCAST_CHOICES, resolve_autocast
 from ..conversion.pipelines.blocks import without_kv_cache
 from ..conversion.pipelines.streamed_model import streamed_model
 from ..conversion.selection import select_layers
@@ -31,7 +32,7 @@ from .checkpoint import CommandError
 from .config_options import Option, add_config_options, config_overrides
 
 __all__ = ["DISTILLATION_CSV", "add_distill_options", "check_distill_options", "check_distill_memory", "distiller",
-           "run_distill"]
+           "run_distill", "sampling_dtype"]
 
 DISTILLATION_CSV = "distillation.csv"
 _STORED_AT_LEAST = 0.9  # of param_ratio: the least a uniform allocation stores where a rank step allows
@@ -96,11 +97,21 @@ def check_distill_memory(skeleton: nn.Module, config: ConvertConfig) -> None:
                           "leave --distill out (--no-distill after --recipe), or compress on a machine with more memory")
 
 
-def _with_samples(args: argparse.Namespace, batches: List[dict], dtype, say) -> List[dict]:
+def sampling_dtype(autocast, dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype the original samples ``--distill-generate``'s sequences in on the CPU: bfloat16 when the
+    student trains under a bfloat16 autocast there (``--distill-autocast``: the sequences are only the
+    text trained on, the original's cached outputs on them stay in ``dtype``), else ``dtype``. float16
+    is not used: on a CPU it is neither native nor wide enough for every model's activations."""
+    if resolve_autocast(autocast, torch.device("cpu")) == torch.bfloat16:
+        return torch.bfloat16
+    return dtype
+
+
+def _with_samples(args: argparse.Namespace, batches: List[dict], dtype, autocast, say) -> List[dict]:
     """``batches`` and, with ``--distill-generate N``, N sequences the original samples (streamed
-    from MODEL_DIR; every process draws the same ones) as long as the widest calibration batch,
-    each continuing the first :data:`SAMPLED_PREFIX` tokens of a sample (half of them, for
-    calibration batches shorter than twice that)."""
+    from MODEL_DIR in :func:`sampling_dtype`; every process draws the same ones) as long as the widest
+    calibration batch, each continuing the first :data:`SAMPLED_PREFIX` tokens of a sample (half of
+    them, for calibration batches shorter than twice that)."""
     if not args.distill_generate:
         return batches
     length = max(batch["input_ids"].shape[1] for batch in batches)
@@ -109,11 +120,12 @@ def _with_samples(args: argparse.Namespace, batches: List[dict], dtype, say) -> 
         raise CommandError("--distill-generate continues the first tokens of a calibration sample, and the calibration "
                            "samples hold one token each: give longer samples")
     started = time.perf_counter()
-    with streamed_model(args.model_dir, dtype) as teacher:
+    sampling = sampling_dtype(autocast, dtype)
+    with streamed_model(args.model_dir, sampling) as teacher:
         sampled = sampled_batches(teacher, batches, args.distill_generate, length, prefix=prefix,
                                   batch_size=batches[0]["input_ids"].shape[0], progress=not args.quiet)
     say(f"sampled {args.distill_generate} sequences of {length} tokens from the original in "
-        f"{time.perf_counter() - started:.1f} s")
+        f"{time.perf_counter() - started:.1f} s{' (bfloat16)' if sampling == torch.bfloat16 else ''}")
     return batches + sampled
 
 
@@ -127,7 +139,7 @@ def distiller(args: argparse.Namespace, batches: List[dict], tokenizer, dtype, s
         return None
     random = {"tokenizer": tokenizer, "random_tokens": args.random_tokens} if args.random_tokens else {}
     config = DistillConfig(progress=not args.quiet, **random, **check_distill_options(args))
-    batches = _with_samples(args, batches, dtype, say)
+    batches = _with_samples(args, batches, dtype, config.autocast, say)
     started = time.perf_counter()
     cached = teacher_outputs(args.model_dir, batches, config, dtype=dtype)
     say(f"cached the original's outputs on {len(cached)} batches ({cached.nbytes / 2**20:.1f} MiB, top "

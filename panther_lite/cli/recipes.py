@@ -18,7 +18,7 @@ RECIPES: Dict[str, Tuple[str, ...]] = {
     # chosen on validation text (benchmarks/bench_llm_ppl.py --split validation; docs/evaluation.rst)
     "causal-lm": (
         "--allocation", "global", "--sensitivity", "kl", "--sequential", "--random-tokens", "256",
-        "--distill", "--distill-max-steps", "320", "--distill-lr", "2e-4", "--distill-generate", "256",
+        "--distill", "--distill-max-steps", "320", "--distill-lr", "4e-4", "--distill-generate", "512",
         "--distill-train", "factors,biases,norms", "--distill-autocast", "auto",
     ),
 }

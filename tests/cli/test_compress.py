@@ -28,6 +28,8 @@ from panther_lite.conversion.distilling import distillation as distillation_modu
 from panther_lite.conversion.distilling import memory as memory_module  # noqa: E402
 from panther_lite.conversion.distilling import sampled_batches  # noqa: E402
 from panther_lite.conversion.pipelines import out_of_core  # noqa: E402
+from panther_lite.conversion.fitting import autocast as autocast_module  # noqa: E402
+from panther_lite.conversion.fitting.autocast import check_autocast  # noqa: E402
 from panther_lite.conversion.workflows import compress as compress_library  # noqa: E402
 from panther_lite.cli.checkpoint import calibration_batches, read_samples  # noqa: E402
 from panther_lite.conversion.saving.checkpoint_files import CheckpointFiles, auto_class_for  # noqa: E402
@@ -428,6 +430,27 @@ def test_distill_generate_trains_on_sequences_the_streamed_original_samples_afte
     for got, want in zip(seen["data"][len(batches):], expected):  # the streamed teacher samples as the whole one
         assert torch.equal(got["input_ids"], want["input_ids"]) and bool(got["attention_mask"].all())
 
+
+
+def test_the_original_samples_in_bfloat16_when_the_student_trains_in_it(checkpoints, text_file, tmp_path, monkeypatch):
+    seen = []
+    real_sampled = distilling_module.sampled_batches
+    monkeypatch.setattr(distilling_module, "sampled_batches", lambda teacher, *args, **kwargs: (
+        seen.append(next(teacher.parameters()).dtype), real_sampled(teacher, *args, **kwargs))[1])
+    argv = _argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS, "--distill", "--distill-steps", "1",
+                 "--distill-generate", "3", "--distill-autocast", "bfloat16")
+    assert main(argv) == 0
+    assert seen == [torch.bfloat16]
+
+
+@pytest.mark.parametrize("autocast, native, checkpoint, sampled_in", [
+    (None, True, None, None), (None, True, torch.float16, torch.float16), ("bfloat16", False, None, torch.bfloat16),
+    ("auto", True, None, torch.bfloat16), ("auto", False, None, None),
+    ("float16", True, None, None),  # float16 on a CPU: not native, and too narrow for some activations
+])
+def test_the_sampling_dtype_follows_a_bfloat16_autocast_only(monkeypatch, autocast, native, checkpoint, sampled_in):
+    monkeypatch.setattr(autocast_module, "native_bfloat16", lambda device: native)
+    assert distilling_module.sampling_dtype(check_autocast(autocast, "test"), checkpoint) == sampled_in
 
 def _memory_checks(monkeypatch, *modules):
     """The ``(caller, elements, trained)`` each memory check in ``modules`` is asked about, recorded."""

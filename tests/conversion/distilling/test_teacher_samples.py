@@ -4,7 +4,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from panther_lite.conversion.distilling import sampled_batches  # noqa: E402
+from panther_lite.conversion.distilling import sampled_batches, teacher_samples  # noqa: E402
+from panther_lite.conversion.distilling.teacher_samples import key_value_bytes, sampled_together  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +59,45 @@ def test_bad_arguments_are_named(lm, options, error, match):
 def test_a_model_without_generate_is_refused():
     with pytest.raises(TypeError, match="teacher must be a causal LM with generate"):
         sampled_batches(torch.nn.Linear(2, 2), _calibration(), 2, 16, progress=False)
+
+
+def _cache_bytes(model, length):
+    """Bytes of the key/value cache transformers itself holds after a forward over ``length`` tokens."""
+    with torch.no_grad():
+        cache = model(torch.zeros(1, length, dtype=torch.long), use_cache=True).past_key_values
+    tensors = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+@pytest.mark.parametrize("family, dtype", [("llama-grouped-heads", torch.float32), ("llama-grouped-heads", torch.bfloat16),
+                                           ("gpt2", torch.float32)])
+def test_the_key_value_bytes_are_the_cache_transformers_holds(family, dtype):
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4))
+    else:  # two key/value heads for six query heads, each 16 wide (not hidden_size / heads)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=6,
+            num_key_value_heads=2, head_dim=16))
+    model = model.to(dtype).eval()
+    assert key_value_bytes(model, 20) == _cache_bytes(model, 20)
+
+
+def test_sequences_are_sampled_as_many_together_as_the_cache_bound_allows(lm, monkeypatch):
+    assert sampled_together(lm, 24) == teacher_samples.MOST_TOGETHER  # a tiny cache
+    monkeypatch.setattr(teacher_samples, "KEY_VALUE_BYTES", int(2.5 * key_value_bytes(lm, 24)))
+    assert sampled_together(lm, 24) == 2
+    calls, real = [], teacher_samples._sampled
+    monkeypatch.setattr(teacher_samples, "_sampled", lambda teacher, prompts, length, seed: (
+        calls.append((prompts.shape[0], seed)), real(teacher, prompts, length, seed))[1])
+    batches = sampled_batches(lm, _calibration(), 5, 24, prefix=12, batch_size=2, seed=7, progress=False)
+    assert calls == [(2, 7), (2, 8), (1, 9)]  # group i drawn with seed + i
+    assert [b["input_ids"].shape for b in batches] == [(2, 24), (2, 24), (1, 24)]
+    monkeypatch.setattr(teacher_samples, "KEY_VALUE_BYTES", 1)
+    assert sampled_together(lm, 24) == 1  # a cache beyond the bound still samples, one at a time
+
+
+def test_a_config_that_does_not_say_the_cache_shape_samples_the_default_number_together(lm, monkeypatch):
+    monkeypatch.setattr(lm, "config", object())
+    assert key_value_bytes(lm, 24) is None
+    assert sampled_together(lm, 24) == teacher_samples.UNKNOWN_CACHE_TOGETHER

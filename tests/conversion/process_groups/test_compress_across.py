@@ -174,7 +174,7 @@ def test_two_processes_stream_a_mixture_of_experts_checkpoint(options, tmp_path)
 ], ids=["global-sequential", "mixtral-global-sequential"])
 def test_four_processes_stream_the_one_process_checkpoint(model, options, tmp_path):
     """4 ranks of 4 batches: one batch each, so every sum gathers all four ranks (ATOL, RTOL above).
-    Uniform fits across four ranks: ``test_run.py``; streamed uniform across two: above."""
+    Uniform fits: across two ranks, in memory (``test_run.py``) and streamed (above)."""
     tiny_llama(model).save_pretrained(tmp_path / "source")  # Mixtral: the per-expert layout on disk
     _stream_alone_and_across(4, tmp_path / "source", tmp_path, options)
 

@@ -72,7 +72,9 @@ def _fits_split_on_four_ranks(options: dict, out: Path) -> None:
 
 
 def test_four_processes_fit_each_layer_on_one_rank_and_hold_the_same_model(tmp_path):
-    cases = [dict(param_ratio=0.5), dict(param_ratio=0.5, allocation="global", sequential=True, shrinkage=0.1),
+    # the split of the fits over four ranks, with the planning most likely to desynchronise them (global
+    # sizes, sequential statistics); a uniform plan over two ranks runs in test_two_processes_give_the_one_process_model
+    cases = [dict(param_ratio=0.5, allocation="global", sequential=True, shrinkage=0.1),
              dict(model="mixtral", param_ratio=0.5, allocation="global", sequential=True)]
     for index, options in enumerate(cases):
         _fits_split_on_four_ranks(options, tmp_path / f"case{index}.pt")
