@@ -3,7 +3,7 @@
 # to benchmarks/results/cuda/. Needs a CUDA build of torch importable by $PYTHON (default:
 # .venv/bin/python if there is one — set up with TORCH_SPEC=torch bash scripts/setup.sh —
 # else python3); the package runs from this checkout (PYTHONPATH), no install needed.
-# Pass a stage to run only part: tests | bars | sweep4096 | sweep8192 | conv | onnx | compress | streamed | all (default).
+# Pass a stage to run only part: tests | bars | fused | sweep4096 | sweep8192 | conv | onnx | compress | streamed | all (default).
 # PYTEST_ARGS adds options to the test stage, e.g. PYTEST_ARGS="-n 8" where pytest-xdist is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,9 @@ if run tests; then
 fi
 if run bars; then
   "$PYTHON" benchmarks/bench_sklinear.py --device cuda --output-dir "$RESULTS"
+fi
+if run fused; then  # the fused small-rank kernel against the two GEMMs (issue 42; needs Triton, which CUDA torch brings)
+  "$PYTHON" benchmarks/bench_fused_product.py --output-dir "$RESULTS"
 fi
 for n in 4096 8192; do
   if run "sweep$n"; then

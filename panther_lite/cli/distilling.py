@@ -48,7 +48,8 @@ def _trained(text: str) -> Tuple[str, ...]:
 
 
 DISTILL_OPTIONS = (
-    Option("max_steps", positive_int, aliases=("--distill-steps",)), Option("lr", positive_float),
+    Option("max_steps", positive_int, aliases=("--distill-steps",)),
+    Option("max_minutes", positive_float, metavar="MINUTES"), Option("lr", positive_float),
     Option("top_k", positive_int), Option("train", _trained, metavar="factors,biases,norms"),
     Option("autocast", AUTOCAST_CHOICES),
 )
@@ -56,9 +57,8 @@ DISTILL_OPTIONS = (
 
 def add_distill_options(command: argparse.ArgumentParser) -> None:
     """``--distill``, the :class:`~panther_lite.DistillConfig` fields it offers
-    (``--distill-max-steps``, ``--distill-lr``, ``--distill-top-k``, ``--distill-train``, ``--distill-autocast``) and
-    ``--distill-generate``
-    in their own group."""
+    (``--distill-max-steps``, ``--distill-max-minutes``, ``--distill-lr``, ``--distill-top-k``, ``--distill-train``,
+    ``--distill-autocast``) and ``--distill-generate`` in their own group."""
     group = command.add_argument_group("distillation against the original (panther_lite.distill, DistillConfig's fields)")
     group.add_argument("--distill", action=argparse.BooleanOptionalAction, default=None,
                        help="after the conversion, train the converted model's factors and biases to reproduce the "
@@ -78,8 +78,8 @@ def check_distill_options(args: argparse.Namespace) -> dict:
     are ignored)."""
     settings = config_overrides(args, DISTILL_OPTIONS, prefix="distill-")
     if (settings or args.distill_generate) and args.distill is None:
-        raise CommandError("--distill-max-steps, --distill-lr, --distill-top-k, --distill-train, --distill-autocast and "
-                           "--distill-generate set the distillation: add --distill")
+        raise CommandError("--distill-max-steps, --distill-max-minutes, --distill-lr, --distill-top-k, --distill-train, "
+                           "--distill-autocast and --distill-generate set the distillation: add --distill")
     return settings
 
 

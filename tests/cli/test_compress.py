@@ -160,12 +160,13 @@ def test_distill_caches_its_own_random_tokens_and_top_k_beside_the_text_batches(
         data=data, cached=cached, config=config) or real_distill(model, cached, data, config))
     argv = _argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS, "--random-tokens", "12",
                  "--distill", "--distill-steps", "2", "--distill-lr", "0.01", "--distill-top-k", "8",
-                 "--distill-train", "factors,norms", "--distill-autocast", "bfloat16")
+                 "--distill-train", "factors,norms", "--distill-autocast", "bfloat16", "--distill-max-minutes", "90")
     assert main(argv) == 0
     assert sum(batch["input_ids"].shape[0] for batch in seen["data"]) == len(read_samples(text_file, 128))
     config, cached = seen["config"], seen["cached"]
     assert config.random_tokens == 12 and config.tokenizer is not None
     assert (config.max_steps, config.lr, config.top_k, config.train) == (2, 0.01, 8, ("factors", "norms"))
+    assert config.max_minutes == 90.0
     assert config.autocast == torch.bfloat16
     assert len(cached.random_batches) == 1 and cached.random_batches[0]["input_ids"].shape[0] == 12
     assert all(target.indices.shape[-1] == 8 for target in cached.targets)
@@ -275,6 +276,8 @@ def _bad_inputs(checkpoints, text_file, tmp_path, save_checkpoint, vocab):
                                              "add --distill"),
         "distill lr not positive": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--distill", "--distill-lr", "0"), 2,
                                     "a finite number > 0"),
+        "distill minutes not positive": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--distill", "--distill-max-minutes",
+                                               "0"), 2, "a finite number > 0"),
         "distill train unknown": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--distill", "--distill-train", "factors,weights"),
                                   2, "expected one or more of factors,biases,norms, comma-separated, got 'factors,weights'"),
         "distill autocast unknown": (_argv(gpt2, text_file, out, *RATIO_ARGS, "--distill", "--distill-autocast", "int8"),
@@ -287,7 +290,8 @@ CASES = [
     "unknown allocation", "ratio above one", "ratio not a number", "no size", "no linear layers",
     "unmatched target", "output inside model dir", "refine settings without refine", "refine lr not positive",
     "refine without blocks", "calibration device absent", "calibration device not a device",
-    "distill settings without distill", "distill lr not positive", "distill train unknown",
+    "distill settings without distill", "distill lr not positive", "distill minutes not positive",
+    "distill train unknown",
 ]
 
 

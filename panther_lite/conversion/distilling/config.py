@@ -10,6 +10,7 @@ from ...nn.validation import check_choice, check_int, check_positive_int
 from ..config import check_holdout, check_lr
 from ..fitting.autocast import check_autocast
 from .objective import check_loss, check_outputs, check_temperature
+from .step_budget import check_max_minutes
 
 __all__ = ["DistillConfig", "TRAINABLE", "RANDOM_TOKEN_LENGTH", "SCHEDULES"]
 
@@ -62,10 +63,16 @@ class DistillConfig:
         random_token_length: tokens per random sequence (4 by default: on all-MiniLM-L6-v2 out
             of domain 0.765 against 0.755 with 16, in domain alike; ``benchmarks/validate_defaults.py``).
         max_steps: most optimizer steps, each on one training batch (reshuffled every pass).
+        max_minutes: a time limit in minutes for the training loop, its held-back evaluations
+            included (not the caching of the teacher's outputs before it); None: no limit. The
+            steps are timed and only as many taken as fit (planned at the end of the warm-up and
+            after every evaluation), so the schedule still ends at the last step taken; a machine
+            fast enough takes all ``max_steps``. The steps taken then depend on the machine's
+            speed (:mod:`~panther_lite.conversion.distilling.step_budget`).
         lr: Adam's peak learning rate, reached after a linear warm-up over the first 5% of
             ``max_steps`` (Adam's first steps move every entry by about ``lr``).
-        schedule: after the warm-up, ``"cosine"`` decays the rate to 0 at ``max_steps``;
-            ``"constant"`` keeps it.
+        schedule: after the warm-up, ``"cosine"`` decays the rate to 0 at ``max_steps`` (or the
+            last step ``max_minutes`` leaves); ``"constant"`` keeps it.
         holdout: fraction in (0, 1) of the batches held back (at least one, at most all but one).
         patience: stop after this many evaluations without a better held-back loss, counted
             from the end of the warm-up.
@@ -97,6 +104,7 @@ class DistillConfig:
     random_tokens: int = 0
     random_token_length: int = RANDOM_TOKEN_LENGTH
     max_steps: int = 1000
+    max_minutes: Optional[float] = None
     lr: float = 1e-3
     schedule: str = "cosine"
     holdout: float = 0.25
@@ -120,6 +128,7 @@ class DistillConfig:
         if self.random_tokens and self.tokenizer is None:
             raise ValueError(f"distill: random_tokens={self.random_tokens} needs tokenizer= (the model's tokenizer)")
         set_field("max_steps", check_positive_int("max_steps", self.max_steps))
+        set_field("max_minutes", check_max_minutes(self.max_minutes))
         set_field("lr", check_lr(self.lr, "distill: "))
         set_field("schedule", check_choice("schedule", self.schedule, SCHEDULES))
         set_field("holdout", check_holdout(self.holdout, "distill: "))

@@ -57,9 +57,9 @@ class DistillationResult:
     and with the parameters kept (``loss_after <= loss_before``: when no evaluation beats the
     start, every parameter is restored bit for bit); ``steps``: optimizer steps taken (one
     batch each); ``best_step``: the step whose parameters were kept (0: the original ones);
-    ``stop_reason``: ``"max_steps"``, ``"patience"`` or ``"non-finite loss"``;
-    ``stopped_early``: stopped before ``max_steps``; ``loss``: the loss used (``"mse"``,
-    ``"kl"``, ``"callable"``); ``train_batches`` / ``held_batches``: how the batches were
+    ``stop_reason``: ``"max_steps"``, ``"max_minutes"`` (fewer steps fitted in the time limit),
+    ``"patience"`` or ``"non-finite loss"``; ``stopped_early``: stopped before ``max_steps``;
+    ``loss``: the loss used (``"mse"``, ``"kl"``, ``"callable"``); ``train_batches`` / ``held_batches``: how the batches were
     split; ``trained_elements``: parameter elements trained; ``seconds``: wall time;
     ``autocast``: the dtype the student ran in under ``torch.autocast`` (None: its own, float32);
     ``history``: ``(step, mean training loss since the previous evaluation, held-back loss)``

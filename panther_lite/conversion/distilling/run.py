@@ -29,6 +29,7 @@ from ..process_groups.distillation import Owned
 from ..process_groups.refinement import sum_gradients, sum_in_call_order
 from ..progress import progress_bar
 from .config import DistillConfig
+from .step_budget import StepBudget
 
 __all__ = [
     "RandomTokens", "Run", "Session", "Targets", "data_batches", "device_of", "live_targets", "on_device", "optimise",
@@ -154,17 +155,18 @@ def warmup_steps(max_steps: int) -> int:
     return max(1, max_steps // 20)
 
 
-def _lr_factor(schedule: str, max_steps: int) -> Callable[[int], float]:
+def _lr_factor(schedule: str, budget: StepBudget) -> Callable[[int], float]:
     """The learning rate of step ``i`` (0-based) over ``lr``: a linear warm-up over
-    :func:`warmup_steps`, then constant or a cosine decay to 0 at ``max_steps``."""
-    warmup = warmup_steps(max_steps)
+    :func:`warmup_steps` of ``max_steps``, then constant or a cosine decay to 0 at the step the
+    ``budget`` plans to stop at when the rate is asked for."""
+    warmup = warmup_steps(budget.max_steps)
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         if schedule == "constant":
             return 1.0
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, max_steps - warmup)))
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, budget.steps - warmup))))
 
     return factor
 
@@ -230,12 +232,38 @@ def _step(session: Session, index: int, optimizer, scaler: torch.amp.GradScaler)
     return True, None if loss is None else float(loss.detach())
 
 
+def _planned(budget: StepBudget, taken: int, bar) -> None:
+    """Plan the steps that fit in the time limit after ``taken`` steps; the bar shows them."""
+    budget.plan(taken)
+    if budget.lowered and getattr(bar, "total", None) != budget.steps and hasattr(bar, "refresh"):
+        bar.total = budget.steps
+        bar.refresh()
+
+
+def _evaluated(session: Session, run: Run, parameters, best: List[Tensor], settings: DistillConfig,
+               budget: StepBudget, bar) -> bool:
+    """Evaluate on the held-back batches after ``run.steps`` steps, keep the best parameters and plan
+    the steps left; False when training stops (its reason in ``run.stop_reason``)."""
+    held = session.held_loss()
+    if hasattr(bar, "set_postfix"):
+        bar.set_postfix(held_loss=f"{held:.4g}")
+    if not run.evaluated(held, parameters, best, settings.patience):
+        return False
+    _planned(budget, run.steps, bar)
+    if run.steps < budget.steps:
+        return True
+    run.stop_reason = "max_minutes" if budget.lowered else "max_steps"
+    return False
+
+
 def optimise(session: Session, parameters, best: List[Tensor], run: Run, settings: DistillConfig, progress) -> None:
-    """Train until ``max_steps``, ``patience`` evaluations without a better held-back loss,
-    or a non-finite loss, keeping the best parameters in ``best``."""
+    """Train until ``max_steps`` (or, with ``max_minutes``, the steps that fit in it: planned at the
+    end of the warm-up and after every evaluation), ``patience`` evaluations without a better
+    held-back loss, or a non-finite loss, keeping the best parameters in ``best``."""
     optimizer = torch.optim.Adam(parameters, lr=settings.lr)
     scaler = loss_scaler(session.autocast, session.device)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(settings.schedule, settings.max_steps))
+    budget = StepBudget(settings.max_steps, settings.max_minutes)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(settings.schedule, budget))
     order = session.passes(settings.seed)
     eval_every = settings.eval_every or len(session.train)
     bar = progress_bar(range(1, settings.max_steps + 1), "distilling", "step", progress)
@@ -245,16 +273,14 @@ def optimise(session: Session, parameters, best: List[Tensor], run: Run, setting
             if not taken:
                 run.stop_reason = "non-finite loss"
                 return
-            schedule.step()
             run.steps = step
             run.train_losses.append(loss)
-            if step % eval_every and step < settings.max_steps:
-                continue
-            held = session.held_loss()
-            if hasattr(bar, "set_postfix"):
-                bar.set_postfix(held_loss=f"{held:.4g}")
-            if not run.evaluated(held, parameters, best, settings.patience):
+            if step == run.warmup:
+                _planned(budget, step, bar)
+            evaluating = not step % eval_every or step >= budget.steps
+            if evaluating and not _evaluated(session, run, parameters, best, settings, budget, bar):
                 return
+            schedule.step()
     finally:
         if hasattr(bar, "close"):
             bar.close()

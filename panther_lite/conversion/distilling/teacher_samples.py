@@ -8,6 +8,7 @@ own samples cost no data and follow its distribution, which is what the next-tok
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import List, Optional
 
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from ...nn.validation import check_int, check_positive_int
 from ..progress import progress_bar
 
-__all__ = ["key_value_bytes", "sampled_batches", "sampled_together"]
+__all__ = ["InverseTransformDraw", "key_value_bytes", "sampled_batches", "sampled_together"]
 
 # Sequences sampled together: decoding few rows at a time is per-call bound. SmolLM2-135M on 2 CPU
 # cores samples 1.6 times as many sequences a second 128 at a time as 32 at a time (fp32, streamed),
@@ -74,14 +75,43 @@ def sampled_together(teacher: nn.Module, length: int) -> int:
     return max(1, min(MOST_TOGETHER, KEY_VALUE_BYTES // per_sequence))
 
 
+class InverseTransformDraw:
+    """A ``generate`` logits processor that draws each row's next token from ``softmax(scores)`` (the
+    whole distribution, temperature 1) and leaves only that token finite, so greedy decoding takes
+    the draw: inverse transform sampling, one uniform from ``generator`` per row against the float64
+    cumulative probabilities (a token of probability 0 is never drawn).
+
+    ``generate(do_sample=True)`` draws through ``torch.multinomial``, which spends one exponential
+    variate per vocabulary entry and row: on SmolLM2-135M (49,152 words), 86 sequences sampled on
+    2 CPU cores in float32 took 24 s where this took 17 s (40 new tokens), 45.7 s against 38.7 s
+    (80 new tokens).
+
+    Example:
+        >>> draw = InverseTransformDraw(torch.Generator().manual_seed(0))
+        >>> draw(None, torch.tensor([[0.0, -math.inf, 0.0]])).isfinite().sum().item()  # one token, never the second
+        1
+    """
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(self, input_ids: Optional[Tensor], scores: Tensor) -> Tensor:
+        cumulative = torch.softmax(scores.float(), dim=-1).double().cumsum_(dim=-1)
+        uniform = torch.rand(scores.shape[0], 1, generator=self.generator, dtype=torch.float64, device=scores.device)
+        drawn = torch.searchsorted(cumulative, uniform * cumulative[:, -1:], right=True).clamp_(max=scores.shape[-1] - 1)
+        return torch.full_like(scores, -math.inf).scatter_(1, drawn, 0.0)
+
+
 def _sampled(teacher: nn.Module, prompts: Tensor, length: int, seed: int) -> Tensor:
     """``prompts`` ``(n, prefix)`` continued to ``length`` tokens by ``teacher``, sampled at temperature
-    1 from its whole distribution, end-of-text suppressed; seeded without touching the global RNG."""
+    1 from its whole distribution (:class:`InverseTransformDraw`), end-of-text suppressed; seeded by a
+    generator of its own (the global one untouched)."""
     new = length - prompts.shape[1]
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        return teacher.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
-                                top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new,
+    draw = InverseTransformDraw(torch.Generator(device=prompts.device).manual_seed(seed))
+    with torch.no_grad():
+        return teacher.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                                temperature=None, top_k=None, top_p=None, logits_processor=[draw],
+                                max_new_tokens=new, min_new_tokens=new,
                                 pad_token_id=0)  # never used: no sequence ends early
 
 

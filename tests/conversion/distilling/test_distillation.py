@@ -6,7 +6,9 @@ counts only real tokens, and refuses bad settings with the model unchanged."""
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
+import math
 
 import pandas as pd
 import pytest
@@ -16,7 +18,9 @@ import torch.nn as nn
 import panther_lite
 from panther_lite.conversion.distilling.distillation import RANDOM_TOKEN_LENGTH, DistillationResult, trained_parameters
 from panther_lite.conversion.distilling import memory as memory_module
+from panther_lite.conversion.distilling import run as run_module
 from panther_lite.conversion.distilling.run import Run, warmup_steps
+from panther_lite.conversion.distilling.step_budget import StepBudget
 from panther_lite.conversion.distilling.objective import relative_squared_error, softened_kl
 from panther_lite.conversion.fitting import autocast as autocast_module
 from panther_lite.conversion.fitting.autocast import loss_scaler
@@ -432,6 +436,10 @@ def _bad_settings():
         (dict(lr=float("nan")), ValueError, "lr must be a positive"),
         (dict(holdout=1.0), ValueError, "holdout"),
         (dict(max_steps=0), ValueError, "max_steps"),
+        (dict(max_minutes=0), ValueError, "max_minutes must be a finite number of minutes > 0 or None, got 0"),
+        (dict(max_minutes=float("inf")), ValueError, "max_minutes must be"),
+        (dict(max_minutes="5"), ValueError, "max_minutes must be"),
+        (dict(max_minutes=True), ValueError, "max_minutes must be"),
         (dict(patience=0), ValueError, "patience"),
         (dict(eval_every=0), ValueError, "eval_every"),
         (dict(seed=-1), ValueError, "seed"),
@@ -664,3 +672,63 @@ def test_a_run_without_gain_goes_on_to_the_end_of_the_warm_up():
                                   progress=False)
     assert result.best_step == 0 and result.stop_reason == "patience"
     assert result.steps == warmup_steps(400) + 2
+
+
+# ----------------------------------------------------------------------------- a time limit (max_minutes)
+# The steps are timed on a fake clock: only those that fit are taken, the schedule decays to 0 at the
+# last of them, and a limit that holds every step changes nothing.
+
+class FakeTime:
+    """A clock that moves only when told: ``step_seconds`` per training step, ``evaluation_seconds``
+    per held-back evaluation; records the learning rate of every step."""
+
+    def __init__(self, monkeypatch, step_seconds: float, evaluation_seconds: float = 0.0) -> None:
+        self.now, self.rates = 0.0, []
+        real_step, real_held = run_module._step, run_module.Session.held_loss
+
+        def step(session, index, optimizer, scaler):
+            self.rates.append(optimizer.param_groups[0]["lr"])
+            self.now += step_seconds
+            return real_step(session, index, optimizer, scaler)
+
+        def held_loss(session):
+            self.now += evaluation_seconds
+            return real_held(session)
+
+        monkeypatch.setattr(run_module, "_step", step)
+        monkeypatch.setattr(run_module.Session, "held_loss", held_loss)
+        monkeypatch.setattr(run_module, "StepBudget", functools.partial(StepBudget, clock=lambda: self.now))
+
+
+def _distilled(**settings):
+    teacher = dense_mlp()
+    model = student_of(teacher)
+    result = panther_lite.distill(model, teacher, inputs(8), lr=1e-3, patience=1000, progress=False, **settings)
+    return model, result
+
+
+def test_a_time_limit_takes_the_steps_that_fit_and_decays_the_rate_to_their_end(monkeypatch):
+    clock = FakeTime(monkeypatch, step_seconds=1.0)
+    _, result = _distilled(max_steps=100, max_minutes=0.5, eval_every=10)
+    assert (result.steps, result.stop_reason, result.stopped_early) == (30, "max_minutes", True)
+    warmup = warmup_steps(100)  # planned at its end: 1 s a step, 30 steps in half a minute
+    cosine = [1e-3 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (30 - warmup))) for step in range(warmup, 30)]
+    assert clock.rates[warmup:] == pytest.approx(cosine, rel=1e-9, abs=1e-15)
+    assert clock.rates[-1] < 0.01 * 1e-3 and clock.now == 30.0
+
+
+def test_the_held_back_evaluations_count_against_the_limit(monkeypatch):
+    clock = FakeTime(monkeypatch, step_seconds=1.0, evaluation_seconds=10.0)
+    _, result = _distilled(max_steps=100, max_minutes=1, eval_every=5)
+    assert (result.steps, result.stop_reason) == (20, "max_minutes")  # 20 steps and 4 evaluations: a minute
+    assert [step for step, _, _ in result.history] == [0, 5, 10, 15, 20]
+    assert clock.now == 70.0  # the evaluation before training (step 0) is not the training loop's
+
+
+def test_a_limit_every_step_fits_in_changes_nothing():
+    limited, limited_result = _distilled(max_steps=12, max_minutes=10_000, eval_every=4)
+    plain, plain_result = _distilled(max_steps=12, eval_every=4)
+    assert (limited_result.steps, limited_result.stop_reason, limited_result.stopped_early) == (12, "max_steps", False)
+    assert limited_result.history == plain_result.history
+    for mine, theirs in zip(limited.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(mine, theirs)

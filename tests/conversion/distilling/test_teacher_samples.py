@@ -1,11 +1,16 @@
 """Sequences the original samples to distil on: continuations of the calibration samples' first tokens."""
+import copy
+import math
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from panther_lite.conversion.distilling import sampled_batches, teacher_samples  # noqa: E402
-from panther_lite.conversion.distilling.teacher_samples import key_value_bytes, sampled_together  # noqa: E402
+from panther_lite.conversion.distilling.teacher_samples import (  # noqa: E402
+    InverseTransformDraw, key_value_bytes, sampled_together,
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +47,30 @@ def test_a_seed_repeats_the_draw_and_leaves_the_global_generator_alone(lm):
     other = sampled_batches(lm, _calibration(), 3, 20, prefix=12, seed=5, progress=False)
     assert torch.equal(first[0]["input_ids"], again[0]["input_ids"])
     assert not torch.equal(first[0]["input_ids"], other[0]["input_ids"])
+
+
+def test_the_draw_follows_the_softmax_and_never_takes_an_impossible_token():
+    scores = torch.tensor([2.0, 0.0, -math.inf, 1.0, -1.0, 0.5]).expand(40_000, 6)
+    drawn = InverseTransformDraw(torch.Generator().manual_seed(0))(None, scores)
+    assert torch.equal(drawn.isfinite().sum(dim=1), torch.ones(40_000, dtype=torch.long))
+    frequencies = torch.bincount(drawn.argmax(dim=1), minlength=6) / 40_000
+    probabilities = torch.softmax(scores[0], dim=0)
+    assert frequencies[2] == 0
+    torch.testing.assert_close(frequencies, probabilities, rtol=0, atol=0.01)  # 4 standard errors of the largest
+
+
+def test_the_sampled_first_tokens_follow_the_teachers_distribution(lm):
+    peaked = copy.deepcopy(lm)
+    with torch.no_grad():
+        peaked.lm_head.weight.mul_(40)  # far from uniform: a wrong temperature or a uniform draw shows
+        prompt = _calibration()[0]["input_ids"][:1, :12]
+        probabilities = torch.softmax(peaked(prompt).logits[0, -1], dim=0)
+    assert 0.2 < float(probabilities.max()) < 0.9
+    rows = 8_000
+    batches = sampled_batches(peaked, [{"input_ids": prompt.expand(rows, 12)}], rows, 13, prefix=12, batch_size=rows,
+                              progress=False)
+    frequencies = torch.bincount(batches[0]["input_ids"][:, 12], minlength=64) / rows
+    torch.testing.assert_close(frequencies, probabilities, rtol=0, atol=0.025)  # 4.5 standard errors at p = 0.5
 
 
 @pytest.mark.parametrize("options, error, match", [
