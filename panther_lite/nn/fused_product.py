@@ -18,7 +18,6 @@ two GEMMs on a GPU; it becomes the CUDA route where that measures it faster. Tri
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from typing import Optional
 
@@ -44,7 +43,7 @@ def _interpreted() -> bool:
 def fused_available(x: Tensor) -> bool:
     """Whether :func:`fused_stacked_product` can run on ``x``: Triton is installed and ``x`` is on a
     CUDA device, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``)."""
-    if triton is None and importlib.util.find_spec("triton") is None:
+    if triton is None:
         return False
     return x.is_cuda or (x.device.type == "cpu" and _interpreted())
 
@@ -91,7 +90,8 @@ def _precision(x: Tensor) -> str:
 
 @functools.lru_cache(maxsize=2)
 def _compiled(interpreted: bool):
-    """The kernel, jitted for the GPU or for the interpreter (Triton decides when it is jitted)."""
+    """The kernel, jitted for the GPU or for the interpreter: ``triton.jit`` reads ``TRITON_INTERPRET``
+    when it is called, so the cache is keyed by that mode (``interpreted``)."""
     return triton.jit(_stacked_kernel)
 
 

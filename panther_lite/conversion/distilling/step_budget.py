@@ -1,8 +1,8 @@
 """How many steps a distillation takes: ``max_steps``, lowered to what fits in ``max_minutes`` as the steps are timed.
 
 A step's time depends on the machine (SmolLM2-135M's takes 4.9 s under bfloat16 autocast on a
-CPU with AVX512-BF16 and 6.9 s in float32 on one without), so a step count alone cannot bound a
-command's time. With ``max_minutes`` the distillation times its own steps (its held-back
+2-core CPU with AVX512-BF16 and 14–16 s in float32 on one with AVX2 only), so a step count alone
+cannot bound a command's time. With ``max_minutes`` the distillation times its own steps (its held-back
 evaluations included) and plans to take only as many as fit, so that its learning-rate schedule
 still decays to 0 at the last step it takes, instead of stopping part-way at a high rate.
 """
