@@ -80,7 +80,8 @@ def _blocks(text: str):
 
 CONVERT_OPTIONS = (
     Option("param_ratio", _ratio), Option("num_terms", positive_int), Option("low_rank", positive_int),
-    Option("allocation", ALLOCATIONS), Option("sensitivity", SENSITIVITY_METRICS), Option("sequential", bool), Option("decomposition", FIT_METHODS, aliases=("--fit",)),
+    Option("allocation", ALLOCATIONS), Option("sensitivity", SENSITIVITY_METRICS), Option("sequential", bool),
+    Option("output_fisher", bool), Option("decomposition", FIT_METHODS, aliases=("--fit",)),
     Option("align", _alignment, metavar="auto|none|N"), Option("seed", int),
     Option("calibration_device", _device, metavar="DEVICE"), Option("blocks", _blocks, metavar="auto|off|PATH"),
 )

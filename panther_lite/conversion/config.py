@@ -246,6 +246,14 @@ class ConvertConfig:
             layer's outputs from the inputs it now receives (reduced-rank regression,
             :mod:`~panther_lite.conversion.fitting.sequential`): one group of layers'
             statistics alive at a time; the batches run twice per group.
+        output_fisher: weigh each fitted layer's output channels by the Fisher information
+            of a causal language model's next-token distributions at that layer's output
+            (:mod:`~panther_lite.conversion.planning.output_fisher`), so each fit keeps what
+            the predictions feel rather than every channel alike: the best fit under the
+            Kronecker-factored KL. Needs calibration data (its batches, each run once more
+            forward and backward) and an output with next-token ``logits``; applies to
+            one-matrix layers whose outputs are feature-last (``nn.Linear``, transformers'
+            ``Conv1D``; experts and convolutions are fitted as before).
         seed: makes ``init="sketch"`` and randomized fits reproducible (layer ``i`` of the
             plan uses ``seed + i``).
         shrinkage: how far the calibration Grams are shrunk towards their diagonal before a
@@ -294,6 +302,7 @@ class ConvertConfig:
     align: Union[None, str, int] = "auto"
     runtime_rows: Optional[int] = None
     sequential: bool = False
+    output_fisher: bool = False
     seed: Optional[int] = None
     shrinkage: Union[str, float, None] = "auto"
     calibration_device: Union[str, torch.device, None] = None
@@ -322,6 +331,7 @@ class ConvertConfig:
         check_choice("decomposition", self.decomposition, FIT_METHODS)
         set_field = functools.partial(object.__setattr__, self)  # the dataclass is frozen
         set_field("sequential", check_bool("sequential", self.sequential))
+        set_field("output_fisher", check_bool("output_fisher", self.output_fisher))
         if self.progress is not None:
             set_field("progress", check_bool("progress", self.progress))
         set_field("seed", check_seed(self.seed))
@@ -329,6 +339,8 @@ class ConvertConfig:
         set_field("calibration_device", _device(self.calibration_device))
         if self.sequential and self.init != "svd":
             raise ValueError("sequential=True fits each layer to the original outputs, which needs init='svd'")
+        if self.output_fisher and self.init != "svd":
+            raise ValueError("output_fisher=True weighs the fits' output errors, which needs init='svd'")
         resolve_rank_multiple(self.align, None, None)
         if self.runtime_rows is not None:
             set_field("runtime_rows", check_positive_int("runtime_rows", self.runtime_rows))

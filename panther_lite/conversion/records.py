@@ -36,7 +36,9 @@ class LayerRecord:
     ``status`` starts as ``"converted"`` (planned) and becomes ``"kept dense"`` or
     ``"skipped"`` with a ``reason``; a planner sets ``num_terms`` and ``low_rank`` of the
     layers it converts. ``routed``: the layer belongs to one expert of a mixture of experts
-    (:mod:`~panther_lite.conversion.routing`)."""
+    (:mod:`~panther_lite.conversion.routing`). ``output_gram``: the metric on the layer's
+    outputs its fit weighs the error by (the next-token Fisher with ``output_fisher=True``,
+    :mod:`~panther_lite.conversion.planning.output_fisher`; None: every output alike)."""
 
     name: str
     module: nn.Module
@@ -47,6 +49,7 @@ class LayerRecord:
     low_rank: Optional[int] = None
     routed: bool = False
     strategy: Any = field(default=None, repr=False, compare=False)
+    output_gram: Optional[Tensor] = field(default=None, repr=False, compare=False)
 
     @property
     def to_convert(self) -> bool:

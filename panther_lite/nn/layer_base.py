@@ -68,7 +68,9 @@ class SketchedLayer(nn.Module):
         """The dense layer's weight shape (``nn.Linear``: ``(out, in)``; convs: ``(C_out, C_in, *k)``)."""
         raise NotImplementedError
 
-    def _svd_factors(self, matrix: Tensor, gram: Optional[Tensor], fit: str) -> Tuple[Tensor, ...]:
+    def _svd_factors(
+        self, matrix: Tensor, gram: Optional[Tensor], fit: str, output_gram: Optional[Tensor] = None
+    ) -> Tuple[Tensor, ...]:
         raise NotImplementedError
 
     def _sketch_factors(self, matrix: Tensor, generator: Optional[torch.Generator]) -> Tuple[Tensor, ...]:
@@ -157,7 +159,8 @@ class SketchedLayer(nn.Module):
 
     @torch.no_grad()
     def initialize_from_weight(
-        self, weight: Tensor, init: str = "svd", gram: Optional[Tensor] = None, *, fit: str = "auto"
+        self, weight: Tensor, init: str = "svd", gram: Optional[Tensor] = None, *, fit: str = "auto",
+        output_gram: Optional[Tensor] = None,
     ) -> None:
         """Set the factors to represent the dense ``weight``; the bias is kept.
 
@@ -173,15 +176,23 @@ class SketchedLayer(nn.Module):
                 decomposition), ``"randomized"`` (a range finder, much faster for large
                 layers at low rank, seeded by ``seed``) or ``"auto"`` (randomized where it
                 pays off); see :func:`panther_lite.nn.low_rank_fit.output_subspace`.
+            output_gram: with ``"svd"``, an optional metric on the outputs, ``(fan_out, fan_out)``
+                or its diagonal ``(fan_out,)`` (e.g. the model's output Fisher at this layer,
+                :mod:`panther_lite.conversion.planning.output_fisher`): the fit then minimises
+                ``tr(F (W−Ŵ) G (W−Ŵ)ᵀ)``; see
+                :func:`panther_lite.nn.low_rank_fit.sketch_factors_from_weight`.
 
         Raises ValueError (nothing changed) for a wrong shape, a NaN/Inf entry, a meta-device
-        weight, or a gram that is not a valid Gram matrix.
+        weight, a gram that is not a valid Gram matrix, or an output_gram with ``init="sketch"``
+        or of a wrong shape.
         """
         init = check_choice("init", init, INITS)
         fit = check_choice("fit", fit, FIT_METHODS)
         self._check_dense_weight("weight", weight)
         self._check_gram(gram, init)
-        self._fit(weight, init, gram, resolve_generator(self.seed), fit)
+        if output_gram is not None and init != "svd":
+            raise ValueError("output_gram: only used by init='svd'")
+        self._fit(weight, init, gram, resolve_generator(self.seed), fit, output_gram)
 
     def _check_gram(self, gram: Optional[Tensor], init: str) -> None:
         if gram is None:
@@ -192,16 +203,18 @@ class SketchedLayer(nn.Module):
 
     @torch.no_grad()
     def _fit(
-        self, weight: Tensor, init: str, gram: Optional[Tensor], generator: Optional[torch.Generator], fit: str
+        self, weight: Tensor, init: str, gram: Optional[Tensor], generator: Optional[torch.Generator], fit: str,
+        output_gram: Optional[Tensor] = None,
     ) -> None:
         """Represent the (validated) dense ``weight``: every factor is computed before any is set."""
-        values = self._factor_values(weight, init, gram, generator, fit)
+        values = self._factor_values(weight, init, gram, generator, fit, output_gram)
         for target, value in zip(self._factors(), values):
             target.copy_(value.view_as(target))
         self.init = init
 
     def _factor_values(
-        self, weight: Tensor, init: str, gram: Optional[Tensor], generator: Optional[torch.Generator], fit: str
+        self, weight: Tensor, init: str, gram: Optional[Tensor], generator: Optional[torch.Generator], fit: str,
+        output_gram: Optional[Tensor] = None,
     ) -> Tuple[Tensor, ...]:
         """The factors representing ``weight`` as one ``(fan_out, fan_in)`` matrix, computed in
         the decomposition dtype on the factors' device."""
@@ -210,7 +223,8 @@ class SketchedLayer(nn.Module):
         matrix = weight.detach().to(device=device, dtype=work_dtype).reshape(self.fan_out, self.fan_in)
         if init == "svd":
             g = None if gram is None else gram.detach().to(device=device, dtype=work_dtype)
-            return self._svd_factors(matrix, g, fit)
+            metric = None if output_gram is None else output_gram.detach().to(device=device, dtype=work_dtype)
+            return self._svd_factors(matrix, g, fit, metric)
         return self._sketch_factors(matrix, generator)
 
     # ------------------------------------------------------------------ the dense twin

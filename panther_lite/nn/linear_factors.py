@@ -96,8 +96,12 @@ class LinearFactorsLayer(SketchedLayer):
         """``out_features``."""
         return self.out_features
 
-    def _svd_factors(self, matrix: Tensor, gram: Optional[Tensor], fit: str) -> Tuple[Tensor, ...]:
-        return sketch_factors_from_weight(matrix, self.num_terms, self.low_rank, gram, method=fit, seed=self.seed)
+    def _svd_factors(
+        self, matrix: Tensor, gram: Optional[Tensor], fit: str, output_gram: Optional[Tensor] = None
+    ) -> Tuple[Tensor, ...]:
+        return sketch_factors_from_weight(
+            matrix, self.num_terms, self.low_rank, gram, output_gram=output_gram, method=fit, seed=self.seed
+        )
 
     def _sketch_factors(self, matrix: Tensor, generator: Optional[torch.Generator]) -> Tuple[Tensor, ...]:
         return sign_sketch_factors(matrix, self.num_terms, self.low_rank, generator)

@@ -28,6 +28,8 @@ __all__ = [
     "RANDOMIZED_MIN_SIZE",
     "decomposition_dtype",
     "gram_dtype",
+    "metric_times",
+    "output_metric_roots",
     "output_subspace",
     "sketch_factors_from_weight",
     "relative_error",
@@ -72,6 +74,49 @@ def _gram_square_root(gram: Tensor, damping: float) -> Tensor:
     ridge = damping * gram.diagonal().mean().clamp_min(torch.finfo(gram.dtype).tiny)
     eigvals, eigvecs = torch.linalg.eigh(gram + ridge * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device))
     return (eigvecs * eigvals.clamp_min(0).sqrt()) @ eigvecs.t()
+
+
+OUTPUT_DAMPING = 1e-2
+"""Ridge added to an output metric ``F``, relative to its mean diagonal: the channels the
+calibration tokens barely reach keep a weight (measured on SmolLM2-135M, docs/evaluation.rst)."""
+
+
+def output_metric_roots(output_gram: Tensor, out_features: int, damping: float = OUTPUT_DAMPING) -> Tuple[Tensor, Tensor]:
+    """``(R, R⁻¹)`` with ``R = F^{1/2}`` for the output metric ``F`` (``(out, out)``, symmetric
+    positive semi-definite, or its diagonal ``(out,)``) plus ``damping`` times its mean diagonal,
+    scaled so that ``R``'s largest entry (diagonal) or eigenvalue (full) is 1: ``R W`` is never
+    larger than ``W``, so the layer's activations keep the dense layer's scale. Diagonal metrics
+    give vectors (``R`` scales rows), full ones matrices.
+
+    Raises ValueError naming ``output_gram`` for a wrong shape, a non-finite entry or a metric
+    without a positive diagonal."""
+    if output_gram.shape not in ((out_features,), (out_features, out_features)):
+        raise ValueError(
+            f"output_gram: expected shape ({out_features},) or ({out_features}, {out_features}), got "
+            f"{tuple(output_gram.shape)}"
+        )
+    if not bool(torch.isfinite(output_gram).all()):
+        raise ValueError("output_gram: has NaN or infinite entries")
+    diagonal = output_gram if output_gram.dim() == 1 else output_gram.diagonal()
+    mean = float(diagonal.mean())
+    if not mean > 0 or bool((diagonal < 0).any()):
+        raise ValueError("output_gram: expected a positive semi-definite metric with a positive mean diagonal")
+    if output_gram.dim() == 1:
+        root = (output_gram / mean + damping).sqrt()
+        root = root / root.max()
+        return root, 1.0 / root
+    eye = torch.eye(out_features, dtype=output_gram.dtype, device=output_gram.device)
+    eigvals, eigvecs = torch.linalg.eigh(0.5 * (output_gram + output_gram.t()) / mean + damping * eye)
+    roots = eigvals.clamp_min(damping).sqrt()
+    roots = roots / roots.max()
+    return (eigvecs * roots) @ eigvecs.t(), (eigvecs / roots) @ eigvecs.t()
+
+
+def metric_times(root: Optional[Tensor], matrix: Tensor) -> Tensor:
+    """``R · matrix`` for a metric root from :func:`output_metric_roots` (None: ``matrix``)."""
+    if root is None:
+        return matrix
+    return root[:, None] * matrix if root.dim() == 1 else root @ matrix
 
 
 def _left_singular_vectors(target: Tensor) -> Tensor:
@@ -220,6 +265,7 @@ def sketch_factors_from_weight(
     low_rank: int,
     gram: Optional[Tensor] = None,
     *,
+    output_gram: Optional[Tensor] = None,
     method: str = "auto",
     seed: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -228,26 +274,41 @@ def sketch_factors_from_weight(
     Args:
         weight: ``(out, in)`` (the ``nn.Linear`` layout), in the decomposition dtype.
         gram: optional ``(in, in)`` Gram of calibration inputs (output-optimal fit).
+        output_gram: optional metric ``F`` on the outputs, ``(out, out)`` or its diagonal
+            ``(out,)`` (e.g. the Fisher information of the model's output at the layer's
+            output): the fit then minimises ``tr(F (W−Ŵ) G (W−Ŵ)ᵀ)``, the Kronecker-factored
+            second-order change of the model's output, instead of the layer's own output
+            error (:func:`output_metric_roots` damps and scales it).
         method, seed: how the basis is found, as for :func:`output_subspace`.
 
     Returns:
         ``S1`` (in × Lk), ``U1`` (Lk × out), ``U2`` (in × Lk), ``S2`` (Lk × out) with
-        ``1/(2L)·(S1 U1 + U2 S2) = (Q Qᵀ W)ᵀ`` for the basis ``Q`` of :func:`output_subspace`.
-        The fixed ``U1 = 2L·Q₁ᵀ`` carries the factor ``2L`` so that ``S1 = Wᵀ Q₁`` and the
-        activations ``x·S1`` stay at the dense layer's scale (no float16 overflow where
-        the dense layer has none); ``U2`` is orthonormal, so ``x·U2`` is no larger than
-        ``x``, and ``S2`` carries ``2L`` into the last GEMM, whose ``alpha`` removes it.
+        ``1/(2L)·(S1 U1 + U2 S2) = (R⁻¹ Q Qᵀ R W)ᵀ`` for the basis ``Q`` of
+        :func:`output_subspace` of ``R W`` (``R = F^{1/2}``, the identity without
+        ``output_gram``). The fixed ``U1 = 2L·(R⁻¹Q₁)ᵀ`` carries the factor ``2L`` so that
+        ``S1 = (RW)ᵀ Q₁`` and the activations ``x·S1`` stay at the dense layer's scale (no
+        float16 overflow where the dense layer has none); ``U2`` is orthonormal, so ``x·U2``
+        is no larger than ``x``, and ``S2`` carries ``2L`` into the last GEMM, whose
+        ``alpha`` removes it.
+
+    Example:
+        >>> w = torch.randn(6, 5, dtype=torch.float64)
+        >>> S1, U1, U2, S2 = sketch_factors_from_weight(w, 1, 3, output_gram=torch.rand(6, dtype=torch.float64))
+        >>> torch.allclose((S1 @ U1 + U2 @ S2) / 2, w.t())  # rank 6 >= 5: exact
+        True
     """
     rank = num_terms * low_rank
     two_l = 2.0 * num_terms
-    basis = output_subspace(weight, 2 * rank, gram, method=method, seed=seed)
+    root, inverse = (None, None) if output_gram is None else output_metric_roots(output_gram.to(weight), weight.shape[0])
+    target = metric_times(root, weight)
+    basis = output_subspace(target, 2 * rank, gram, method=method, seed=seed)
     first, second = basis[:, :rank], basis[:, rank:]
-    weight_t = weight.t()
-    U1 = (two_l * first.t()).contiguous()
-    S1 = weight_t @ first
-    projected = weight_t @ second
+    target_t = target.t()
+    U1 = (two_l * metric_times(inverse, first).t()).contiguous()
+    S1 = target_t @ first
+    projected = target_t @ second
     U2 = _orthonormal_columns(projected, rank)
-    S2 = two_l * ((U2.t() @ projected) @ second.t())
+    S2 = two_l * ((U2.t() @ projected) @ metric_times(inverse, second).t())
     return S1, U1, U2, S2
 
 

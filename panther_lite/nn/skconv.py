@@ -12,7 +12,7 @@ from torch import Tensor
 from ..sketch.dense import sign_matrix
 from .functional import autocast_enabled_on
 from .layer_base import SketchedLayer
-from .low_rank_fit import output_subspace
+from .low_rank_fit import metric_times, output_metric_roots, output_subspace
 from .rank_selection import SketchSize, sketch_size
 from .validation import check_choice, check_int_tuple, check_positive_int, check_sketch_fits_a_tensor, check_tensor
 
@@ -185,13 +185,15 @@ class _SKConvNd(SketchedLayer):
         """``(C_out, C_in, *kernel_size)``, the ``nn.Conv*d`` layout."""
         return (self.out_channels, self.in_channels, *self.kernel_size)
 
-    def _svd_factors(self, matrix: Tensor, gram: Optional[Tensor], fit: str) -> Tuple[Tensor, Tensor]:
-        # K ≈ Q Qᵀ K. U = 2L·Qᵀ carries the factor 2L that the 1/(2L) scale undoes, so the
-        # intermediate conv(x, S) with S = Qᵀ K is no larger than the dense output
-        # (float16 would overflow if S carried it).
+    def _svd_factors(self, matrix: Tensor, gram: Optional[Tensor], fit: str, output_gram: Optional[Tensor] = None):
+        # K ≈ R⁻¹ Q Qᵀ R K (R = I without an output metric). U = 2L·(R⁻¹Q)ᵀ carries the factor
+        # 2L that the 1/(2L) scale undoes, so the intermediate conv(x, S) with S = Qᵀ R K is no
+        # larger than the dense output (R ≤ 1; float16 would overflow if S carried it).
         rank = 2 * self.num_terms * self.low_rank
-        basis_t = output_subspace(matrix, rank, gram, method=fit, seed=self.seed).t()
-        return basis_t @ matrix, (2 * self.num_terms) * basis_t
+        root, inverse = (None, None) if output_gram is None else output_metric_roots(output_gram, matrix.shape[0])
+        target = metric_times(root, matrix)
+        basis = output_subspace(target, rank, gram, method=fit, seed=self.seed)
+        return basis.t() @ target, (2 * self.num_terms) * metric_times(inverse, basis).t()
 
     def _sketch_factors(self, matrix: Tensor, generator: Optional[torch.Generator]) -> Tuple[Tensor, Tensor]:
         rank = 2 * self.num_terms * self.low_rank

@@ -84,13 +84,16 @@ class SKStackedLinear(LinearFactorsLayer):
         return weight[expert].t() if self.transposed else weight[expert]
 
     def _factor_values(
-        self, weight: Tensor, init: str, gram: Optional[Tensor], generator: Optional[torch.Generator], fit: str
+        self, weight: Tensor, init: str, gram: Optional[Tensor], generator: Optional[torch.Generator], fit: str,
+        output_gram: Optional[Tensor] = None,
     ) -> Tuple[Tensor, ...]:
         """SketchedLayer's fit of each expert's matrix (in its own decomposition dtype, so no
-        float64 copy of the whole stack is made), stacked."""
+        float64 copy of the whole stack is made), stacked; ``output_gram`` holds one metric per
+        expert (leading dimension ``num_experts``)."""
         per_expert = [
             super(SKStackedLinear, self)._factor_values(
-                self._expert_matrix(weight, e), init, None if gram is None else gram[e], generator, fit
+                self._expert_matrix(weight, e), init, None if gram is None else gram[e], generator, fit,
+                None if output_gram is None else output_gram[e],
             )
             for e in range(self.num_experts)
         ]

@@ -79,6 +79,8 @@ def test_an_unknown_option_names_the_closest_valid_one_and_nothing_changes():
         (dict(num_terms=1, low_rank=2, allocation="global"), ValueError, "allocation='global' spreads one budget"),
         (dict(param_ratio=0.5, sequential=1), TypeError, "sequential must be True or False"),
         (dict(param_ratio=0.5, sequential=True, init="sketch"), ValueError, "needs init='svd'"),
+        (dict(param_ratio=0.5, output_fisher="yes"), TypeError, "output_fisher must be True or False"),
+        (dict(param_ratio=0.5, output_fisher=True, init="sketch"), ValueError, "output_fisher=True .* needs init='svd'"),
         (dict(param_ratio=0.5, align=0), ValueError, "align must be"),
         (dict(param_ratio=0.5, calibration_device="meta"), ValueError, "calibration_device='meta'"),
         (dict(param_ratio=0.5, blocks=3), TypeError, "blocks must be"),

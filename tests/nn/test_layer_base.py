@@ -258,7 +258,7 @@ def test_fit_method_reaches_the_decomposition(monkeypatch):
         monkeypatch.setattr(module, name, lambda *a, _real=real, **kw: seen.append(kw) or _real(*a, **kw))
     SKLinear.from_linear(nn.Linear(12, 10), 1, 2, fit="randomized", seed=4)
     SKConv1d.from_conv1d(nn.Conv1d(3, 6, 3), 1, 2, fit="exact")
-    assert seen == [{"method": "randomized", "seed": 4}, {"method": "exact", "seed": None}]
+    assert seen == [{"output_gram": None, "method": "randomized", "seed": 4}, {"method": "exact", "seed": None}]
     with pytest.raises(ValueError, match="fit must be one of"):
         SKConv2d.from_conv2d(nn.Conv2d(3, 6, 3), 1, 2, fit="fast")
 

@@ -4,7 +4,7 @@ the input a layer's call receives; a batch's digest (its contents hashed)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Mapping, Optional
+from typing import Callable, Iterable, Iterator, List, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -142,6 +142,13 @@ class CalibrationData:
                 "pass calibration_data as a list of batches, a DataLoader or a deterministic callable fn(model) "
                 "(not a one-shot iterator)"
             )
+
+    def runs(self) -> List[ModelRun]:
+        """Each batch as a run of a model (the callable itself for a callable, one run)."""
+        if callable(self.source):
+            return [self.source]
+        return [lambda model, batch=batch, index=index: run_batch(model, batch, index)
+                for index, batch in enumerate(self.source)]
 
     def replay(self) -> Optional[ModelRun]:
         """What runs a model once on this data: the callable itself, or the first batch of

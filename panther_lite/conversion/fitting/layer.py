@@ -110,15 +110,22 @@ def fit_layer(
     measured on ``gram`` itself, which is all it feeds for ``init="sketch"``. ``fit`` picks
     the decomposition (``"auto"``, ``"exact"`` or ``"randomized"``, see
     :mod:`panther_lite.nn.low_rank_fit`). ``whiten=False`` fits the weight alone (data-free)
-    while ``gram`` still measures the output error."""
+    while ``gram`` still measures the output error. A calibrated fit of a record with an
+    ``output_gram`` weighs its output error by it
+    (:meth:`~panther_lite.nn.layer_base.SketchedLayer.initialize_from_weight`)."""
     if fit_gram is None:
         fit_gram = gram
     fit_gram = fit_gram if init == "svd" and gram is not None and whiten else None
+    weighted = fit_gram is not None and record.output_gram is not None
     new = check_built(record, record.kind.build(
-        record.module, record.num_terms, record.low_rank, init=init, seed=seed, gram=fit_gram, fit=fit
+        record.module, record.num_terms, record.low_rank, init="sketch" if weighted else init, seed=seed,
+        gram=None if weighted else fit_gram, fit=fit,
     ))
     record.kind.match_trainability(new, record.module)
     weight = record.weight_matrix().detach()
+    if weighted:
+        new.initialize_from_weight(weight.reshape(new.dense_weight_shape), "svd", fit_gram, fit=fit,
+                                   output_gram=record.output_gram)
     approx = built_weight(record, new, weight)
     counts = new.parameter_counts()
     return FitResult(

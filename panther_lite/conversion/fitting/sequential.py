@@ -204,7 +204,8 @@ def _record_group(
 
 def _fit_member(record: LayerRecord, stats: _GroupStatistics, seed: Optional[int], fit: str, shrinkage) -> FitResult:
     """The sketched layer fitted to the original outputs (see the module docstring), its
-    statistics shrunk as ``shrinkage`` (the config's) says for its fit whitened by ``G̃``."""
+    statistics shrunk as ``shrinkage`` (the config's) says for its fit whitened by ``G̃``, its
+    output error weighed by the record's ``output_gram`` when it has one."""
     weight = record.weight_matrix().detach()
     w = weight.to(stats.current)
     intensity = layer_strength(shrinkage, weight, record.rank, stats.current, stats.moments, stats.held)
@@ -216,7 +217,8 @@ def _fit_member(record: LayerRecord, stats: _GroupStatistics, seed: Optional[int
     new = check_built(record, record.kind.build(record.module, record.num_terms, record.low_rank, init="sketch",
                                                seed=seed))
     record.kind.match_trainability(new, record.module)
-    new.initialize_from_weight(target.reshape(new.dense_weight_shape).to(weight.dtype), "svd", current, fit=fit)
+    new.initialize_from_weight(target.reshape(new.dense_weight_shape).to(weight.dtype), "svd", current, fit=fit,
+                               output_gram=record.output_gram)
     del current
     approx = built_weight(record, new, weight)
     a = approx.to(w)

@@ -233,6 +233,10 @@ class LayerKind:
     #: matrix, ``"experts"`` for stacks of experts' matrices.
     strategy = "matrix"
 
+    #: Whether the layer's output holds its ``fan_out`` features in its last dimension, what
+    #: :mod:`~panther_lite.conversion.planning.output_fisher` measures the Fisher of.
+    output_features_last = False
+
     def record(self, name: str, module: nn.Module) -> LayerRecord:
         """The conversion record of candidate ``module`` named ``name`` (a kind holding several
         weight matrices gives a record with one part per matrix stack)."""

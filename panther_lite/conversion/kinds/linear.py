@@ -82,6 +82,8 @@ class LinearKind(LayerKind):
     A layer whose weight is not stored ``(out, in)`` overrides :meth:`weight_matrix`; one
     that should densify to its own class overrides :meth:`dense_twin`."""
 
+    output_features_last = True
+
     def __init__(self, name: str, dense_type: type, **options) -> None:
         options.setdefault("frozen_type", FrozenLinear)
         options.setdefault("linear", True)

@@ -37,6 +37,7 @@ from ..fitting.block_refinement import AfterFit, BlockRefiner, FittedBlock
 from ..fitting.layer import FitResult
 from ..fitting.planned import fit_planned
 from ..planning.sensitivity import block_output_gains
+from ..planning.output_fisher import attach_output_fishers, release_fishers
 from ..planning.sizes import PlanNote, plan_uniform
 from ..records import LayerRecord
 from ..progress import progress_bar
@@ -205,17 +206,23 @@ class ByBlocks:
         return block_output_gains(self.job.model, blocks, lambda module: run_batch(module, first), self.job.config.sensitivity)
 
     def plan(self, job: Conversion) -> Dict[str, PlanNote]:
-        """Size the layers (a global plan from one spectra pass over the captured calls)."""
+        """Size the layers (a global plan from one spectra pass over the captured calls) and,
+        with ``output_fisher``, measure each layer's output Fisher on the whole model."""
         config, self.job = job.config, job
         notes, pooled = plan_uniform(job.records, config)
         if pooled:
             notes.update(plan_global_by_blocks(
                 job.model, pooled, self.block_list, self.captured, config, job.data, self.materialise, self.block_gains
             ))
+        if config.output_fisher:
+            attach_output_fishers(job.model, job.records, job.data, config.seed)
         return notes
 
     def fit(self, job: Conversion) -> Tuple[Dict[str, FitResult], SwapLog]:
-        return convert_by_blocks(job, self.block_list, self.captured, self.refiner, self.materialise)
+        try:
+            return convert_by_blocks(job, self.block_list, self.captured, self.refiner, self.materialise)
+        finally:
+            release_fishers(job.records)
 
     def replay(self, job: Conversion) -> Optional[ModelRun]:
         return job.data.replay()

@@ -33,6 +33,7 @@ from ..calibration.grams import collect_grams
 from ..config import ConvertConfig
 from ..fitting.layer import FitResult
 from ..fitting.planned import fit_planned
+from ..planning.output_fisher import attach_fishers, fisher_targets, release_fishers
 from ..planning.sizes import PlanNote, plan_uniform
 from ..process_groups.statistics import first_problem, measured_by_first
 from ..records import LayerRecord, check_finite_weights, records_entry, restore_records
@@ -47,6 +48,7 @@ from .blocks import BlockList, BlockRunner, find_blocks, run_block, with_hidden
 from .by_blocks import BlockSchedule, ByBlocks, _convert_blocks
 from .capture import BlockCalls
 from .head_replay import HeadRunner, output_template, streamed_block_gains
+from .streamed_fisher import BlockStreams, streamed_output_fishers
 from .skeleton_parts import SkeletonParts
 from .spectra import _spectra, plan_global_by_blocks
 
@@ -56,10 +58,15 @@ _FIGURES = (
     "init", "trainable_params", "stored_params", "weight_error", "output_error", "calibration_rows", "shrinkage"
 )
 _CAPTURED = "captured-calls.pt"
+_FISHERS = "output-fisher-{}.pt"
 
 
 def _output_path(state: RunState, index: int):
     return state.scratch(f"first-batch-output-{index:05d}.pt")
+
+
+def _stream_path(state: RunState, index: int):
+    return state.scratch(f"block-outputs-{index:05d}.pt")
 
 
 def _plan_record(records: List[LayerRecord], notes: Dict[str, PlanNote]) -> dict:
@@ -112,10 +119,17 @@ class OutOfCore(ByBlocks):
     def materialise(self, index: int, block: nn.Module) -> Iterator[None]:
         """Block ``index`` read from the checkpoint (its weights checked finite) and moved to the
         calibration device for the duration, then released; while fitting, written to the
-        output first (not after an error)."""
+        output first (not after an error); while fitting with ``output_fisher``, its layers hold
+        their Fishers for the duration."""
+        records = self.block_list.records_in(index, self.job.records)
         with self.parts.loaded(index, self.device):
-            check_finite_weights([r for r in self.block_list.records_in(index, self.job.records) if r.to_convert])
-            yield
+            check_finite_weights([r for r in records if r.to_convert])
+            if self.writing:
+                self._attach_fishers(index, records)
+            try:
+                yield
+            finally:
+                release_fishers(records)
             if self.writing and self.state.writes:  # across processes: rank 0 alone writes
                 write_part(self.state.part_path(f"block-{index:05d}"), self.parts.state(index))
 
@@ -175,19 +189,52 @@ class OutOfCore(ByBlocks):
 
     def plan(self, job: Conversion) -> Dict[str, PlanNote]:
         """The saved plan of a resumed run, else :meth:`ByBlocks.plan`'s (the layers outside the
-        blocks from the blocks' outputs), saved when it took a pass over the blocks (global)."""
+        blocks from the blocks' outputs), saved when it took a pass over the blocks (global);
+        with ``output_fisher``, the layers' Fishers measured unless a killed run saved them."""
         self.job, config = job, job.config
         saved = self.state.plan()
-        if saved is not None:
-            return _restore_plan(job.records, saved)
-        notes, pooled = plan_uniform(job.records, config)
+        notes = _restore_plan(job.records, saved) if saved is not None else self._new_plan(job)
+        if config.output_fisher:
+            self._measure_fishers(job)
+        return notes
+
+    def _new_plan(self, job: Conversion) -> Dict[str, PlanNote]:
+        notes, pooled = plan_uniform(job.records, job.config)
         if pooled:
             notes.update(plan_global_by_blocks(
-                job.model, pooled, self.block_list, self.captured, config, job.data, self.materialise,
+                job.model, pooled, self.block_list, self.captured, job.config, job.data, self.materialise,
                 self.block_gains, self._outside_spectra,
             ))
             self.state.save_plan(_plan_record(job.records, notes))  # a pass over the blocks: kept
         return notes
+
+    def _measure_fishers(self, job: Conversion) -> None:
+        """Each block's layers' output Fishers (:func:`streamed_output_fishers`: a forward and a
+        reverse pass over the blocks), saved per block in the run's scratch space (a resumed
+        run that saved them all measures nothing)."""
+        if self.state.load_scratch(_FISHERS.format("done")) is not None:
+            return
+
+        def store(index: int, outputs: List[Tensor]) -> None:
+            with writing(_stream_path(self.state, index)):
+                torch.save(outputs, _stream_path(self.state, index))
+
+        streams = BlockStreams(lambda index: self.parts.loaded(index, self.device), store,
+                               lambda index: torch.load(_stream_path(self.state, index), weights_only=True),
+                               self.device, job.config.cache_device)
+        fishers = streamed_output_fishers(
+            job.model, self._head(), self.block_list, self.captured, list(job.data.source), fisher_targets(job.records),
+            streams, seed=job.config.seed or 0, progress=job.config.progress,
+        )
+        for part, found in fishers.items():
+            self.state.save_scratch(_FISHERS.format(part), {name: fisher.float() for name, fisher in found.items()})
+        self.state.save_scratch(_FISHERS.format("done"), {})
+
+    def _attach_fishers(self, part, records: List[LayerRecord]) -> None:
+        """With ``output_fisher``, the saved Fishers of ``part`` (a block index or ``"outside"``) set
+        on its ``records`` to convert (:func:`~panther_lite.conversion.planning.output_fisher.attach_fishers`)."""
+        if self.job.config.output_fisher:
+            attach_fishers(fisher_targets(records), self.state.load_scratch(_FISHERS.format(part)) or {})
 
     def _commit(self, index: int, block_fits: Dict[str, FitResult], streams) -> None:
         """Record block ``index`` as written: its layers' fits and statuses, layout and
@@ -260,6 +307,7 @@ class OutOfCore(ByBlocks):
             original, current = self.streams
             first_index = todo.index(outside[0])
             head = self._head()
+            self._attach_fishers("outside", outside)
             if config.sequential:
                 fits = fit_planned(head, outside, config, None, self._head_batches(original), first_index=first_index,
                                    converted_batches=self._head_batches(current))
@@ -267,6 +315,7 @@ class OutOfCore(ByBlocks):
                 data = CalibrationData(self._head_batches(original))
                 calibration = collect_grams(head, outside, data, False, config.calibration_device, config.held_back)
                 fits = fit_planned(head, outside, config, calibration, first_index=first_index)
+            release_fishers(outside)
             log += swap_modules(job.model, [(name, fit.module) for name, fit in fits.items()])
         if self.state.writes:
             write_part(self.state.part_path("outside"), self.parts.state(None))

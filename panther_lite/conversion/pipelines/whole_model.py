@@ -9,6 +9,7 @@ from ..calibration.grams import Calibration, collect_grams
 from ..fitting.layer import FitResult
 from ..fitting.planned import fit_planned
 from ..planning.global_plan import plan_global
+from ..planning.output_fisher import attach_output_fishers, release_fishers
 from ..planning.sensitivity import output_gains
 from ..planning.sizes import PlanNote, plan_uniform, rank_multiple_for
 from ..surgery import SwapLog, swap_modules
@@ -27,7 +28,8 @@ class WholeModel:
 
     def plan(self, job: Conversion) -> Dict[str, PlanNote]:
         """Size the records (uniformly, or from one global budget read from every pooled
-        layer's spectrum) and record the Grams the non-sequential fits need."""
+        layer's spectrum), record the Grams the non-sequential fits need and, with
+        ``output_fisher``, each layer's output Fisher."""
         config, model = job.config, job.model
         notes, pooled = plan_uniform(job.records, config)
         candidates = [record for record in job.records if record.to_convert]
@@ -48,11 +50,16 @@ class WholeModel:
             for record in candidates:
                 if config.sequential or not record.to_convert:
                     calibration.release(record.name)
+        if config.output_fisher:
+            attach_output_fishers(model, job.records, job.data, config.seed)
         return notes
 
     def fit(self, job: Conversion) -> Tuple[Dict[str, FitResult], SwapLog]:
         config = job.config
-        fits = fit_planned(job.model, job.todo, config, self.calibration, job.data.source, progress=config.progress)
+        try:
+            fits = fit_planned(job.model, job.todo, config, self.calibration, job.data.source, progress=config.progress)
+        finally:
+            release_fishers(job.records)
         return fits, swap_modules(job.model, [(name, fit.module) for name, fit in fits.items()])
 
     def replay(self, job: Conversion) -> Optional[ModelRun]:

@@ -35,7 +35,7 @@ from .output_distance import OutputProbe, probe_output
 NOISE = 0.05
 
 
-def _probe(model: nn.Module, run: ModelRun, metric: str) -> Optional[OutputProbe]:
+def probe_run(model: nn.Module, run: ModelRun, metric: str) -> Optional[OutputProbe]:
     """The :class:`~.output_distance.OutputProbe` of ``run(model)``'s output under ``metric``, with
     the batch's token mask (read while the model runs)."""
     masks: List[Optional[Tensor]] = [None]
@@ -54,7 +54,7 @@ def output_gains(model: nn.Module, records: List[LayerRecord], run: ModelRun, me
     squared relative noise added to each layer's output, when ``run(model)`` (one calibration
     batch) runs it (1.0 for every layer when the output holds no floating-point tensor or does not move)."""
     with evaluation_run(model):
-        reference = _probe(model, run, metric)
+        reference = probe_run(model, run, metric)
         if reference is None or not reference.moves():
             return {record.name: 1.0 for record in records}
         gains = {}
@@ -69,7 +69,7 @@ def output_gains(model: nn.Module, records: List[LayerRecord], run: ModelRun, me
 
             handle = record.module.register_forward_hook(perturb)
             try:
-                moved = _probe(model, run, metric)
+                moved = probe_run(model, run, metric)
             finally:
                 handle.remove()
             gains[record.name] = reference.distance(moved.tensor) / reference.reference() / NOISE**2
@@ -106,7 +106,7 @@ def block_output_gains(model: nn.Module, blocks: List[nn.Module], run: ModelRun,
     handles += [block.register_forward_hook(keep(index)) for index, block in enumerate(blocks)]
     try:
         with evaluation_run(model), torch.enable_grad():
-            probe = _probe(model, run, metric)
+            probe = probe_run(model, run, metric)
             if probe is None or not probe.tensor.requires_grad or not probe.moves():
                 return [1.0] * len(blocks)
             hidden = [outputs[index] for index in range(len(blocks))]

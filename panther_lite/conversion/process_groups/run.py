@@ -83,6 +83,7 @@ def distributed_conversion(process_group, config, data: CalibrationData) -> Iter
     if run is None:
         yield data
         return
+    _check_one_process_options(config.output_fisher, run, "convert")
     if data.given:
         _check_data(data, run, config.held_back)
         data = CalibrationData(ShardedBatches(data.source, run.rank, run.world))
@@ -90,8 +91,17 @@ def distributed_conversion(process_group, config, data: CalibrationData) -> Iter
         yield data
 
 
-def check_compress_across(run: ProcessGroupRun, in_memory: bool, resume: bool) -> None:
+def _check_one_process_options(output_fisher: bool, run: ProcessGroupRun, caller: str) -> None:
+    if output_fisher:
+        raise NotImplementedError(
+            f"{caller} across {run.world} processes: output_fisher=True is not supported (each process would measure "
+            "the Fisher on its own batches alone); run it in one process"
+        )
+
+
+def check_compress_across(run: ProcessGroupRun, in_memory: bool, resume: bool, output_fisher: bool = False) -> None:
     """``compress_checkpoint``'s options that cannot run across processes, refused naming them."""
+    _check_one_process_options(output_fisher, run, "compress_checkpoint")
     if resume and in_memory:
         raise NotImplementedError(
             f"compress_checkpoint across {run.world} processes: resume=True is not supported with in_memory=True; "

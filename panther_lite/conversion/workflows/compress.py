@@ -305,7 +305,7 @@ def compress_checkpoint(
     arguments = (model_dir, output_dir, config, data, resume, distill, dtype, overwrite, in_memory, allow_missing_weights)
     if run is None:
         return _compress_on(None, *arguments)
-    check_compress_across(run, in_memory, resume)
+    check_compress_across(run, in_memory, resume, config.output_fisher)
     with owned_copy(run) as own:  # a group a failure can take down (process_groups/failures.py)
         return _compress_on(own, *arguments)
 

@@ -10,6 +10,7 @@ import torch.nn as nn
 from ..calibration.batches import CalibrationData
 from ..config import ConvertConfig, make_config
 from ..pipelines.base import Conversion
+from ..planning.output_fisher import check_output_fisher
 from ..selection import mark_unconvertible, select_layers
 
 __all__ = ["conversion_options", "conversion_job"]
@@ -19,11 +20,13 @@ def conversion_options(
     config: Optional[ConvertConfig], overrides: Mapping[str, object], calibration_data, caller: str = "convert"
 ) -> Tuple[ConvertConfig, CalibrationData]:
     """``config`` with ``overrides`` (:func:`~panther_lite.conversion.config.make_config`) and the
-    calibration data, checked for ``sequential=True`` when the config asks for it."""
+    calibration data, checked for ``sequential=True`` and ``output_fisher=True`` when the config asks for them."""
     config = make_config(config, overrides, caller=caller)
     data = CalibrationData(calibration_data)
     if config.sequential:
         data.check_sequential()
+    if config.output_fisher:
+        check_output_fisher(data)
     return config, data
 
 

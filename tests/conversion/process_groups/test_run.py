@@ -47,6 +47,7 @@ def test_options_not_distributed_yet_are_refused_naming_them(tmp_path):
     assert found["callable"].startswith("NotImplementedError") and "callable" in found["callable"]
     assert found["odd batches"].startswith("ValueError") and "shrinkage='auto'" in found["odd batches"]
     assert found["one batch"].startswith("ValueError") and "fewer than the processes" in found["one batch"]
+    assert found["output Fisher"].startswith("NotImplementedError") and "output_fisher=True" in found["output Fisher"]
 
 
 def _fits_split_on_four_ranks(options: dict, out: Path) -> None:

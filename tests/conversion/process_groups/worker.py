@@ -80,6 +80,8 @@ def _refusals() -> dict:
                                                  param_ratio=0.5),
         "odd batches": lambda: panther_lite.convert(tiny_llama(), calibration_data=batches(4, size=3), param_ratio=0.5),
         "one batch": lambda: panther_lite.convert(tiny_llama(), calibration_data=batches(1), param_ratio=0.5),
+        "output Fisher": lambda: panther_lite.convert(tiny_llama(), calibration_data=batches(2), param_ratio=0.5,
+                                                      output_fisher=True),
     }
     found = {}
     for name, case in cases.items():

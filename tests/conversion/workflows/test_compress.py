@@ -106,6 +106,9 @@ MODES = {
     "gpt2 uniform": ("gpt2", dict(param_ratio=0.5)),
     "gpt2 global + sequential": ("gpt2", dict(param_ratio=0.5, allocation="global", sequential=True)),
     "bert global": ("bert", dict(param_ratio=0.5, allocation="global")),
+    "global + sequential + output Fisher": ("llama-sharded", dict(param_ratio=0.5, allocation="global", sequential=True,
+                                                                  output_fisher=True)),
+    "gpt2 output Fisher": ("gpt2", dict(param_ratio=0.5, output_fisher=True)),
     "refine": ("llama", dict(param_ratio=0.5, refine=dict(max_steps=3))),
     "rank_pattern, target and exclude": ("llama", dict(param_ratio=0.5, rank_pattern={"up_proj": 0.3},
                                                        target_modules=["up_proj", "down_proj", "lm_head", "q_proj"],
@@ -207,7 +210,8 @@ def _stop_after(monkeypatch, finished: int) -> None:
 
 RESUMED = {"uniform": dict(param_ratio=0.5),
            "global + sequential + refine": dict(param_ratio=0.5, allocation="global", sequential=True,
-                                                refine=dict(max_steps=2))}
+                                                refine=dict(max_steps=2)),
+           "sequential + output Fisher": dict(param_ratio=0.5, sequential=True, output_fisher=True)}
 
 
 @pytest.mark.parametrize("options", list(RESUMED.values()), ids=list(RESUMED))

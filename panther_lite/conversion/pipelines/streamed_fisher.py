@@ -1,0 +1,127 @@
+"""The output Fisher of the layers of a model streamed block by block: what
+:func:`~panther_lite.conversion.planning.output_fisher.output_fishers` measures on a whole
+model, with one block in memory at a time.
+
+A forward pass over the blocks keeps each block's outputs on every calibration batch (``store``);
+the head (:class:`~.head_replay.HeadRunner`) turns the last block's outputs into next-token
+logits and draws one direction per batch; a reverse pass then carries its gradient back block by
+block (each block loaded once, run again with autograd on each batch), reading the gradient at
+every target layer's output on the way. So the sums equal those of a backward pass through the
+whole model on each batch.
+"""
+from __future__ import annotations
+
+from typing import Callable, ContextManager, Dict, List, Sequence
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from ..calibration.batches import evaluation_run
+from ..calibration.tokens import batch_token_mask
+from ..planning.output_distance import probe_output
+from ..planning.output_fisher import add_fisher_terms, tap_gradients, tapped_outputs
+from ..progress import progress_bar
+from ..records import LayerRecord
+from .blocks import BlockList, BlockRunner, output_hidden, run_block, with_hidden
+from .capture import BlockCalls
+from .head_replay import HeadRunner
+
+__all__ = ["BlockStreams", "streamed_output_fishers"]
+
+
+class BlockStreams:
+    """How the streamed passes reach the blocks and their outputs: ``loaded(i)`` holds block
+    ``i`` in memory for the duration, ``store(i, outputs)`` / ``fetch(i)`` keep and give back
+    block ``i``'s outputs (one tensor per batch), ``device`` is where blocks run."""
+
+    def __init__(self, loaded: Callable[[int], ContextManager], store: Callable[[int, List[Tensor]], None],
+                 fetch: Callable[[int], List[Tensor]], device=None, cache_device=None) -> None:
+        self.loaded, self.store, self.fetch = loaded, store, fetch
+        self.device, self.cache_device = device, cache_device
+
+
+def _forward(model: nn.Module, block_list: BlockList, captured: BlockCalls, streams: BlockStreams, progress) -> None:
+    """Each block's outputs on every batch, stored (one forward pass over the blocks)."""
+    hidden = captured.first()
+    for index in progress_bar(range(len(block_list.blocks)), "output Fisher: forward", "block", progress):
+        block = block_list.blocks[index]
+        with streams.loaded(index):
+            runner = BlockRunner(model, block, streams.device)
+            hidden = run_block(runner, captured.feed(index, hidden), streams.cache_device, block_list.prefix(index)[:-1])
+        streams.store(index, hidden)
+
+
+def _head_gradients(head: HeadRunner, batches: Sequence, last: List[Tensor], layers: dict, sums: dict, seed: int) -> List[Tensor]:
+    """The gradient at the last block's output of one sampled next-token direction per batch
+    (the Fisher terms of ``layers``, the target layers outside the blocks, added to ``sums``)."""
+    generator, found = torch.Generator().manual_seed(seed), []
+    for batch, hidden in zip(batches, last):
+        leaf = hidden.detach().requires_grad_()
+        taps: Dict[str, List[Tensor]] = {}
+        handles = tapped_outputs(layers, taps)
+        try:
+            with evaluation_run(head), torch.enable_grad():
+                probe = probe_output(head(batch, leaf), batch_token_mask(batch), "kl")
+                if probe is None or not probe.kl:
+                    raise ValueError("output Fisher: the model's output holds no next-token logits (a causal language model's)")
+                leaves = [tap for name in taps for tap in taps[name]]
+                grads = torch.autograd.grad(probe.tensor, [leaf, *leaves], probe.direction(generator), allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        add_fisher_terms(sums, tap_gradients(taps, grads[1:]))
+        found.append(torch.zeros_like(hidden) if grads[0] is None else grads[0].detach())
+    return found
+
+
+def _block_backward(block, calls, inputs: List[Tensor], grads: List[Tensor], layers: dict, sums: dict, device) -> List[Tensor]:
+    """The gradients at the block's inputs (one per batch) of ``<block output, grad>``, the
+    Fisher terms of ``layers`` (its target layers) added to ``sums`` on the way."""
+    move = (lambda value: value) if device is None else (lambda value: value.to(device))
+    found = []
+    with evaluation_run(block), torch.enable_grad():
+        for call, hidden, grad in zip(calls, inputs, grads):
+            leaf = move(hidden).detach().requires_grad_()
+            args, kwargs = with_hidden(tree_map(lambda value: move(value) if isinstance(value, Tensor) else value, call), leaf)
+            taps: Dict[str, List[Tensor]] = {}
+            handles = tapped_outputs(layers, taps)
+            try:
+                output = output_hidden(block(*args, **kwargs))
+            finally:
+                for handle in handles:
+                    handle.remove()
+            leaves = [tap for name in taps for tap in taps[name]]
+            result = torch.autograd.grad(output, [leaf, *leaves], grad.to(output), allow_unused=True)
+            add_fisher_terms(sums, tap_gradients(taps, result[1:]))
+            found.append(torch.zeros_like(hidden) if result[0] is None else result[0].detach().to(hidden.device))
+    return found
+
+
+def streamed_output_fishers(
+    model: nn.Module, head: HeadRunner, block_list: BlockList, captured: BlockCalls, batches: Sequence, targets: Sequence[LayerRecord],
+    streams: BlockStreams, *, seed: int = 0, progress=None,
+) -> Dict[object, Dict[str, Tensor]]:
+    """``{block index or "outside": {name: F}}``: the next-token Fisher at the output of each of
+    ``targets`` (float64, as :func:`~panther_lite.conversion.planning.output_fisher.output_fishers`
+    gives it), summed over ``batches`` (the calibration batches ``captured`` recorded), ``model``
+    (``head`` its replay after the blocks) streamed as ``streams`` says; ``targets`` before
+    the blocks get none. Raises ValueError when the output holds no logits."""
+    by_block: Dict[object, dict] = {None: {r.name: r.module for r in targets if not block_list.inside(r)}}
+    for index in range(len(block_list.blocks)):
+        by_block[index] = {r.name: r.module for r in block_list.records_in(index, targets)}
+    _forward(model, block_list, captured, streams, progress)
+    last = len(block_list.blocks) - 1
+    fishers: Dict[object, Dict[str, Tensor]] = {"outside": {}}
+    grads = _head_gradients(head, batches, streams.fetch(last), by_block[None], fishers["outside"], seed)
+    for index in progress_bar(range(last, -1, -1), "output Fisher: backward", "block", progress):
+        if not any(by_block[i] for i in range(index + 1)):
+            break  # no target at or before this block
+        calls = [batch[index] for batch in captured.calls]
+        inputs = captured.first() if index == 0 else streams.fetch(index - 1)
+        fishers[index] = {}
+        with streams.loaded(index):
+            grads = _block_backward(block_list.blocks[index], calls, inputs, grads, by_block[index], fishers[index],
+                                    streams.device)
+    return fishers
