@@ -247,11 +247,12 @@ class ConvertConfig:
             :mod:`~panther_lite.conversion.fitting.sequential`): one group of layers'
             statistics alive at a time; the batches run twice per group.
         output_fisher: weigh each fitted layer's output channels by the Fisher information
-            of a causal language model's next-token distributions at that layer's output
+            of the model's predicted distributions (a language model's next tokens, a
+            classifier's classes) at that layer's output
             (:mod:`~panther_lite.conversion.planning.output_fisher`), so each fit keeps what
             the predictions feel rather than every channel alike: the best fit under the
             Kronecker-factored KL. Needs calibration data (its batches, each run once more
-            forward and backward) and an output with next-token ``logits``; applies to
+            forward and backward) and an output holding ``logits``; applies to
             one-matrix layers whose outputs are feature-last (``nn.Linear``, transformers'
             ``Conv1D``; experts and convolutions are fitted as before).
         seed: makes ``init="sketch"`` and randomized fits reproducible (layer ``i`` of the

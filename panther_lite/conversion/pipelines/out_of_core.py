@@ -210,8 +210,9 @@ class OutOfCore(ByBlocks):
 
     def _measure_fishers(self, job: Conversion) -> None:
         """Each block's layers' output Fishers (:func:`streamed_output_fishers`: a forward and a
-        reverse pass over the blocks), saved per block in the run's scratch space (a resumed
-        run that saved them all measures nothing)."""
+        reverse pass over the blocks), saved per block in the run's scratch space as float32 (a
+        resumed run that saved them all measures nothing); the blocks' outputs it kept meanwhile
+        are deleted after. Each block's file is deleted when the block is committed."""
         if self.state.load_scratch(_FISHERS.format("done")) is not None:
             return
 
@@ -219,15 +220,18 @@ class OutOfCore(ByBlocks):
             with writing(_stream_path(self.state, index)):
                 torch.save(outputs, _stream_path(self.state, index))
 
+        def keep(part, fishers: Dict[str, Tensor]) -> None:
+            self.state.save_scratch(_FISHERS.format(part), {name: fisher.float() for name, fisher in fishers.items()})
+
         streams = BlockStreams(lambda index: self.parts.loaded(index, self.device), store,
-                               lambda index: torch.load(_stream_path(self.state, index), weights_only=True),
+                               lambda index: torch.load(_stream_path(self.state, index), weights_only=True), keep,
                                self.device, job.config.cache_device)
-        fishers = streamed_output_fishers(
+        streamed_output_fishers(
             job.model, self._head(), self.block_list, self.captured, list(job.data.source), fisher_targets(job.records),
             streams, seed=job.config.seed or 0, progress=job.config.progress,
         )
-        for part, found in fishers.items():
-            self.state.save_scratch(_FISHERS.format(part), {name: fisher.float() for name, fisher in found.items()})
+        for index in range(len(self.block_list.blocks)):
+            _stream_path(self.state, index).unlink(missing_ok=True)
         self.state.save_scratch(_FISHERS.format("done"), {})
 
     def _attach_fishers(self, part, records: List[LayerRecord]) -> None:
@@ -238,7 +242,7 @@ class OutOfCore(ByBlocks):
 
     def _commit(self, index: int, block_fits: Dict[str, FitResult], streams) -> None:
         """Record block ``index`` as written: its layers' fits and statuses, layout and
-        refinement, and the hidden states the next block receives."""
+        refinement, and the hidden states the next block receives (its saved Fishers deleted)."""
         block = self.block_list.blocks[index]
         prefix = self.block_list.prefix(index)
         layers = [dict(entry, name=prefix + entry["name"]) for entry in conversion_config(block)["layers"]]
@@ -248,6 +252,7 @@ class OutOfCore(ByBlocks):
             refinement=[row for row in self.report_attrs().get("refinement", []) if row["block"] == index],
         )
         self.state.commit(index + 1, record, streams)
+        self.state.scratch(_FISHERS.format(index)).unlink(missing_ok=True)  # fitted: its Fishers are spent
         self.finished, self.streams = index + 1, streams
 
     def _restore(self, name, job: Conversion) -> Dict[str, FitResult]:

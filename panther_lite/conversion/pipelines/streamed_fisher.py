@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map
 from ..calibration.batches import evaluation_run
 from ..calibration.tokens import batch_token_mask
 from ..planning.output_distance import probe_output
-from ..planning.output_fisher import add_fisher_terms, tap_gradients, tapped_outputs
+from ..planning.output_fisher import NO_LOGITS, add_fisher_terms, tap_gradients, tapped_outputs
 from ..progress import progress_bar
 from ..records import LayerRecord
 from .blocks import BlockList, BlockRunner, output_hidden, run_block, with_hidden
@@ -34,11 +34,14 @@ __all__ = ["BlockStreams", "streamed_output_fishers"]
 class BlockStreams:
     """How the streamed passes reach the blocks and their outputs: ``loaded(i)`` holds block
     ``i`` in memory for the duration, ``store(i, outputs)`` / ``fetch(i)`` keep and give back
-    block ``i``'s outputs (one tensor per batch), ``device`` is where blocks run."""
+    block ``i``'s outputs (one tensor per batch), ``keep(part, {name: F})`` takes the Fishers of
+    a block (its index) or of the layers outside the blocks (``"outside"``) as soon as they are
+    summed, ``device`` is where blocks run."""
 
     def __init__(self, loaded: Callable[[int], ContextManager], store: Callable[[int, List[Tensor]], None],
-                 fetch: Callable[[int], List[Tensor]], device=None, cache_device=None) -> None:
-        self.loaded, self.store, self.fetch = loaded, store, fetch
+                 fetch: Callable[[int], List[Tensor]], keep: Callable[[object, Dict[str, Tensor]], None],
+                 device=None, cache_device=None) -> None:
+        self.loaded, self.store, self.fetch, self.keep = loaded, store, fetch, keep
         self.device, self.cache_device = device, cache_device
 
 
@@ -65,7 +68,7 @@ def _head_gradients(head: HeadRunner, batches: Sequence, last: List[Tensor], lay
             with evaluation_run(head), torch.enable_grad():
                 probe = probe_output(head(batch, leaf), batch_token_mask(batch), "kl")
                 if probe is None or not probe.kl:
-                    raise ValueError("output Fisher: the model's output holds no next-token logits (a causal language model's)")
+                    raise ValueError(NO_LOGITS)
                 leaves = [tap for name in taps for tap in taps[name]]
                 grads = torch.autograd.grad(probe.tensor, [leaf, *leaves], probe.direction(generator), allow_unused=True)
         finally:
@@ -102,26 +105,28 @@ def _block_backward(block, calls, inputs: List[Tensor], grads: List[Tensor], lay
 def streamed_output_fishers(
     model: nn.Module, head: HeadRunner, block_list: BlockList, captured: BlockCalls, batches: Sequence, targets: Sequence[LayerRecord],
     streams: BlockStreams, *, seed: int = 0, progress=None,
-) -> Dict[object, Dict[str, Tensor]]:
-    """``{block index or "outside": {name: F}}``: the next-token Fisher at the output of each of
-    ``targets`` (float64, as :func:`~panther_lite.conversion.planning.output_fisher.output_fishers`
-    gives it), summed over ``batches`` (the calibration batches ``captured`` recorded), ``model``
-    (``head`` its replay after the blocks) streamed as ``streams`` says; ``targets`` before
-    the blocks get none. Raises ValueError when the output holds no logits."""
+) -> None:
+    """The next-token Fisher at the output of each of ``targets`` (float64, as
+    :func:`~panther_lite.conversion.planning.output_fisher.output_fishers` gives it), summed over
+    ``batches`` (the calibration batches ``captured`` recorded), ``model`` (``head`` its replay
+    after the blocks) streamed as ``streams`` says, handed to ``streams.keep`` part by part
+    (``"outside"``, then the blocks in reverse), so one block's Fishers are held at a time;
+    ``targets`` before the blocks get none. Raises ValueError when the output holds no logits."""
     by_block: Dict[object, dict] = {None: {r.name: r.module for r in targets if not block_list.inside(r)}}
     for index in range(len(block_list.blocks)):
         by_block[index] = {r.name: r.module for r in block_list.records_in(index, targets)}
     _forward(model, block_list, captured, streams, progress)
     last = len(block_list.blocks) - 1
-    fishers: Dict[object, Dict[str, Tensor]] = {"outside": {}}
-    grads = _head_gradients(head, batches, streams.fetch(last), by_block[None], fishers["outside"], seed)
+    outside: Dict[str, Tensor] = {}
+    grads = _head_gradients(head, batches, streams.fetch(last), by_block[None], outside, seed)
+    streams.keep("outside", outside)
     for index in progress_bar(range(last, -1, -1), "output Fisher: backward", "block", progress):
         if not any(by_block[i] for i in range(index + 1)):
             break  # no target at or before this block
         calls = [batch[index] for batch in captured.calls]
         inputs = captured.first() if index == 0 else streams.fetch(index - 1)
-        fishers[index] = {}
+        sums: Dict[str, Tensor] = {}
         with streams.loaded(index):
-            grads = _block_backward(block_list.blocks[index], calls, inputs, grads, by_block[index], fishers[index],
+            grads = _block_backward(block_list.blocks[index], calls, inputs, grads, by_block[index], sums,
                                     streams.device)
-    return fishers
+        streams.keep(index, sums)

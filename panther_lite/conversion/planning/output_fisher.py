@@ -24,6 +24,9 @@ from ..calibration.batches import CalibrationData, ModelRun, evaluation_run
 from ..records import LayerRecord
 from .sensitivity import probe_run
 
+NO_LOGITS = ("output Fisher: the model's output holds no next-token logits (a language model's, or a classifier's "
+             "logits) to weigh the fits by; convert without output_fisher")
+
 FULL_UP_TO = 4096
 """Widest output with a full ``F`` (float64 accumulation: 4096² entries are 128 MB)."""
 
@@ -53,7 +56,7 @@ def _output_gradients(model: nn.Module, layers: Mapping[str, nn.Module], run: Mo
         with evaluation_run(model), torch.enable_grad():
             probe = probe_run(model, run, "kl")
             if probe is None or not probe.kl:
-                raise ValueError("output Fisher: the model's output holds no next-token logits (a causal language model's)")
+                raise ValueError(NO_LOGITS)
             leaves = [leaf for name in taps for leaf in taps[name]]
             grads = torch.autograd.grad(probe.tensor, leaves, probe.direction(generator), allow_unused=True)
     finally:

@@ -238,6 +238,22 @@ def test_a_stopped_run_resumes_after_the_last_block_written_bit_for_bit(options,
     assert resumed.attrs.get("refinement") == whole.attrs.get("refinement") and _tree(model_dir) == before
 
 
+def test_each_blocks_fisher_is_kept_on_disk_until_the_block_is_written(saved, tmp_path, monkeypatch):
+    listed, commit = [], RunState.commit
+
+    def listing(state, count, record, streams, outside=False):
+        commit(state, count, record, streams, outside)
+        listed.append((count, sorted(path.name for path in state.scratch("").glob("*") if "output-fisher" in path.name
+                                     or "block-outputs" in path.name)))
+
+    monkeypatch.setattr(RunState, "commit", listing)
+    panther_lite.compress_checkpoint(saved["llama"], tmp_path / "out", calibration_data=_batches(), param_ratio=0.5,
+                                     output_fisher=True, progress=False)
+    kept = ["output-fisher-done.pt", "output-fisher-outside.pt"]
+    assert listed[:3] == [(count, sorted(kept + [f"output-fisher-{i}.pt" for i in range(count - 1, 3)]))
+                          for count in (1, 2, 3)]  # no block's outputs left; a block's Fisher gone once it is written
+
+
 _KILLED = """
 import os, signal, sys, torch
 import panther_lite
