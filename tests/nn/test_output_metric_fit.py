@@ -153,3 +153,17 @@ def test_skconv2d_fits_under_an_output_metric_to_the_explicit_weighted_svd():
     layer.initialize_from_weight(conv.weight, "svd", gram, fit="exact", output_gram=output_gram)
     expected = _explicit_fit(matrix, gram, output_gram, 4)
     torch.testing.assert_close(layer.effective_weight().reshape(10, -1), expected, rtol=0, atol=1e-10)
+
+
+def test_skstackedlinear_fits_each_expert_under_its_own_metric():
+    from panther_lite.nn import SKStackedLinear
+
+    problems = [_weighted_problem(24, 18, seed) for seed in (1, 2)]
+    weight = torch.randn(2, 24, 18, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    layer = SKStackedLinear(2, 18, 24, 1, 3, dtype=torch.float64, seed=0)
+    layer.initialize_from_weight(weight, "svd", torch.stack([g for g, _ in problems]), fit="exact",
+                                 output_gram=torch.stack([f for _, f in problems]))
+    for expert, (gram, output_gram) in enumerate(problems):
+        expected = _effective(sketch_factors_from_weight(weight[expert], 1, 3, gram, output_gram=output_gram,
+                                                         method="exact"), 1)
+        torch.testing.assert_close(layer.effective_weight()[expert], expected, rtol=0, atol=1e-12)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable, ContextManager, Iterator, List, Optional, Sequence
+from typing import Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -23,7 +23,7 @@ from ..calibration.tokens import batch_token_mask
 from ..planning.output_distance import probe_output
 from .blocks import BlockCall, BlockList, output_hidden, with_hidden
 
-__all__ = ["HeadRunner", "output_template", "streamed_block_gains"]
+__all__ = ["HeadRunner", "output_template", "streamed_block_gains", "vector_jacobian"]
 
 
 def output_template(block: nn.Module, call: BlockCall, run: Optional[Callable[[], object]] = None):
@@ -91,17 +91,20 @@ class HeadRunner(nn.Module):
             return run_batch(self._model, batch)
 
 
-def _vector_jacobian(block: nn.Module, call: BlockCall, hidden: Tensor, grad: Tensor, device) -> Optional[Tensor]:
+def vector_jacobian(
+    block: nn.Module, call: BlockCall, hidden: Tensor, grad: Tensor, device,
+    more: Callable[[], Sequence[Tensor]] = tuple,
+) -> Tuple[Optional[Tensor], ...]:
     """The gradient at ``block``'s input ``hidden`` (its call's other arguments unchanged) of
-    ``<block output, grad>``; None when the output does not depend on it."""
+    ``<block output, grad>`` (None when the output does not depend on it), followed by those at
+    the tensors ``more()`` gives once the block has run (leaves its hooks made on the way)."""
     move = (lambda value: value) if device is None else (lambda value: value.to(device))
     leaf = move(hidden).detach().requires_grad_()
     args, kwargs = with_hidden(tree_map(lambda value: move(value) if isinstance(value, Tensor) else value, call), leaf)
     output = output_hidden(block(*args, **kwargs))
     if output is None:
-        raise ValueError("block pipeline: a block returned no hidden states to carry the gains' gradient back through")
-    (found,) = torch.autograd.grad(output, leaf, grad.to(output), allow_unused=True)
-    return found
+        raise ValueError("block pipeline: a block returned no hidden states to carry the gradient back through")
+    return torch.autograd.grad(output, [leaf, *more()], grad.to(output), allow_unused=True)
 
 
 def streamed_block_gains(
@@ -135,5 +138,5 @@ def streamed_block_gains(
             break
         block = block_list.blocks[index]
         with loaded(index), evaluation_run(block), torch.enable_grad():
-            grad = _vector_jacobian(block, calls[index], outputs(index - 1), grad, device)
+            grad = vector_jacobian(block, calls[index], outputs(index - 1), grad, device)[0]
     return gains

@@ -16,7 +16,6 @@ from typing import Callable, ContextManager, Dict, List, Sequence
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.utils._pytree import tree_map
 
 from ..calibration.batches import evaluation_run
 from ..calibration.tokens import batch_token_mask
@@ -24,9 +23,9 @@ from ..planning.output_distance import probe_output
 from ..planning.output_fisher import NO_LOGITS, add_fisher_terms, tap_gradients, tapped_outputs
 from ..progress import progress_bar
 from ..records import LayerRecord
-from .blocks import BlockList, BlockRunner, output_hidden, run_block, with_hidden
+from .blocks import BlockList, BlockRunner, run_block
 from .capture import BlockCalls
-from .head_replay import HeadRunner
+from .head_replay import HeadRunner, vector_jacobian
 
 __all__ = ["BlockStreams", "streamed_output_fishers"]
 
@@ -82,21 +81,17 @@ def _head_gradients(head: HeadRunner, batches: Sequence, last: List[Tensor], lay
 def _block_backward(block, calls, inputs: List[Tensor], grads: List[Tensor], layers: dict, sums: dict, device) -> List[Tensor]:
     """The gradients at the block's inputs (one per batch) of ``<block output, grad>``, the
     Fisher terms of ``layers`` (its target layers) added to ``sums`` on the way."""
-    move = (lambda value: value) if device is None else (lambda value: value.to(device))
     found = []
     with evaluation_run(block), torch.enable_grad():
         for call, hidden, grad in zip(calls, inputs, grads):
-            leaf = move(hidden).detach().requires_grad_()
-            args, kwargs = with_hidden(tree_map(lambda value: move(value) if isinstance(value, Tensor) else value, call), leaf)
             taps: Dict[str, List[Tensor]] = {}
             handles = tapped_outputs(layers, taps)
             try:
-                output = output_hidden(block(*args, **kwargs))
+                leaves = lambda: [tap for name in taps for tap in taps[name]]  # noqa: E731 - made while the block runs
+                result = vector_jacobian(block, call, hidden, grad, device, leaves)
             finally:
                 for handle in handles:
                     handle.remove()
-            leaves = [tap for name in taps for tap in taps[name]]
-            result = torch.autograd.grad(output, [leaf, *leaves], grad.to(output), allow_unused=True)
             add_fisher_terms(sums, tap_gradients(taps, result[1:]))
             found.append(torch.zeros_like(hidden) if result[0] is None else result[0].detach().to(hidden.device))
     return found
