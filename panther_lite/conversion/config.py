@@ -251,7 +251,9 @@ class ConvertConfig:
             classifier's classes) at that layer's output
             (:mod:`~panther_lite.conversion.planning.output_fisher`), so each fit keeps what
             the predictions feel rather than every channel alike: the best fit under the
-            Kronecker-factored KL. Needs calibration data (its batches, each run once more
+            Kronecker-factored KL. With ``allocation="global"`` the plan reads the same
+            metric (each layer's Fisher-weighted spectrum: the KL its fit at each rank
+            costs). Needs calibration data (its batches, each run once more
             forward and backward) and an output holding ``logits``; applies to
             one-matrix layers whose outputs are feature-last (``nn.Linear``, transformers'
             ``Conv1D``; experts and convolutions are fitted as before).

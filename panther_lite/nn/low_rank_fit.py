@@ -28,6 +28,8 @@ __all__ = [
     "RANDOMIZED_MIN_SIZE",
     "decomposition_dtype",
     "gram_dtype",
+    "damped_metric_root",
+    "metric_basis",
     "metric_times",
     "output_metric_roots",
     "output_subspace",
@@ -90,6 +92,24 @@ def output_metric_roots(output_gram: Tensor, out_features: int, damping: float =
 
     Raises ValueError naming ``output_gram`` for a wrong shape, a non-finite entry or a metric
     without a positive diagonal."""
+    values, vectors, _ = _damped_metric(output_gram, out_features, damping)
+    roots = values.sqrt()
+    roots = roots / roots.max()
+    return _from_eigen(roots, vectors), _from_eigen(1.0 / roots, vectors)
+
+
+def damped_metric_root(output_gram: Tensor, damping: float = OUTPUT_DAMPING) -> Tensor:
+    """``(F + λ·mean(diag F)·I)^{1/2}`` at ``F``'s own scale (``λ = damping``, as the fits damp
+    it): ``‖R (W − Ŵ) C‖²`` is then the error in ``F``'s units, comparable between layers whose
+    metrics were summed over the same tokens. Shapes and errors as :func:`output_metric_roots`."""
+    values, vectors, mean = _damped_metric(output_gram, output_gram.shape[0], damping)
+    return _from_eigen((values * mean).sqrt(), vectors)
+
+
+def _damped_metric(output_gram: Tensor, out_features: int, damping: float) -> Tuple[Tensor, Optional[Tensor], float]:
+    """``(eigenvalues, eigenvectors, m)`` of ``F/m + damping·I`` (``m``: the mean diagonal of
+    ``F``; eigenvectors None for a diagonal metric, whose eigenvalues are its entries), the
+    metric checked as :func:`output_metric_roots` says."""
     if output_gram.shape not in ((out_features,), (out_features, out_features)):
         raise ValueError(
             f"output_gram: expected shape ({out_features},) or ({out_features}, {out_features}), got "
@@ -102,14 +122,15 @@ def output_metric_roots(output_gram: Tensor, out_features: int, damping: float =
     if not mean > 0 or bool((diagonal < 0).any()):
         raise ValueError("output_gram: expected a positive semi-definite metric with a positive mean diagonal")
     if output_gram.dim() == 1:
-        root = (output_gram / mean + damping).sqrt()
-        root = root / root.max()
-        return root, 1.0 / root
+        return output_gram / mean + damping, None, mean
     eye = torch.eye(out_features, dtype=output_gram.dtype, device=output_gram.device)
     eigvals, eigvecs = torch.linalg.eigh(0.5 * (output_gram + output_gram.t()) / mean + damping * eye)
-    roots = eigvals.clamp_min(damping).sqrt()
-    roots = roots / roots.max()
-    return (eigvecs * roots) @ eigvecs.t(), (eigvecs / roots) @ eigvecs.t()
+    return eigvals.clamp_min(damping), eigvecs, mean
+
+
+def _from_eigen(values: Tensor, vectors: Optional[Tensor]) -> Tensor:
+    """The vector ``values`` (no ``vectors``: a diagonal), else ``V·diag(values)·Vᵀ``."""
+    return values if vectors is None else (vectors * values) @ vectors.t()
 
 
 def metric_times(root: Optional[Tensor], matrix: Tensor) -> Tensor:
@@ -117,6 +138,17 @@ def metric_times(root: Optional[Tensor], matrix: Tensor) -> Tensor:
     if root is None:
         return matrix
     return root[:, None] * matrix if root.dim() == 1 else root @ matrix
+
+
+def metric_basis(inverse: Optional[Tensor], basis: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(P, T)`` with ``R⁻¹·basis = P·T`` (``P``: orthonormal columns, ``T`` square; ``inverse``:
+    ``R⁻¹`` from :func:`output_metric_roots`), or ``(basis, None)`` without a metric. A fit's
+    fixed output factor takes ``P`` and its trained factor ``T``: ``R⁻¹`` reaches 100× and more
+    on a model's Fisher, and a step on the trained factor behind a fixed ``R⁻¹·basis`` would reach
+    the weight amplified that much (fine-tuning lost what the fit had won)."""
+    if inverse is None:
+        return basis, None
+    return torch.linalg.qr(metric_times(inverse, basis))
 
 
 def _left_singular_vectors(target: Tensor) -> Tensor:
@@ -285,11 +317,12 @@ def sketch_factors_from_weight(
         ``S1`` (in × Lk), ``U1`` (Lk × out), ``U2`` (in × Lk), ``S2`` (Lk × out) with
         ``1/(2L)·(S1 U1 + U2 S2) = (R⁻¹ Q Qᵀ R W)ᵀ`` for the basis ``Q`` of
         :func:`output_subspace` of ``R W`` (``R = F^{1/2}``, the identity without
-        ``output_gram``). The fixed ``U1 = 2L·(R⁻¹Q₁)ᵀ`` carries the factor ``2L`` so that
-        ``S1 = (RW)ᵀ Q₁`` and the activations ``x·S1`` stay at the dense layer's scale (no
-        float16 overflow where the dense layer has none); ``U2`` is orthonormal, so ``x·U2``
-        is no larger than ``x``, and ``S2`` carries ``2L`` into the last GEMM, whose
-        ``alpha`` removes it.
+        ``output_gram``). The fixed ``U1 = 2L·Pᵀ`` (``R⁻¹Q₁ = P T``, :func:`metric_basis`;
+        ``P = Q₁``, ``T = I`` without ``output_gram``) has orthonormal rows times the factor
+        ``2L``, so ``S1 = (RW)ᵀ Q₁ Tᵀ`` trains unamplified and the activations ``x·S1``
+        stay at the dense layer's scale (no float16 overflow where the dense layer has none);
+        ``U2`` is orthonormal, so ``x·U2`` is no larger than ``x``, and ``S2`` carries ``2L``
+        into the last GEMM, whose ``alpha`` removes it.
 
     Example:
         >>> w = torch.randn(6, 5, dtype=torch.float64)
@@ -304,8 +337,9 @@ def sketch_factors_from_weight(
     basis = output_subspace(target, 2 * rank, gram, method=method, seed=seed)
     first, second = basis[:, :rank], basis[:, rank:]
     target_t = target.t()
-    U1 = (two_l * metric_times(inverse, first).t()).contiguous()
-    S1 = target_t @ first
+    output_basis, triangle = metric_basis(inverse, first)
+    U1 = (two_l * output_basis.t()).contiguous()
+    S1 = target_t @ first if triangle is None else target_t @ first @ triangle.t()
     projected = target_t @ second
     U2 = _orthonormal_columns(projected, rank)
     S2 = two_l * ((U2.t() @ projected) @ metric_times(inverse, second).t())

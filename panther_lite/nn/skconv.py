@@ -12,7 +12,7 @@ from torch import Tensor
 from ..sketch.dense import sign_matrix
 from .functional import autocast_enabled_on
 from .layer_base import SketchedLayer
-from .low_rank_fit import metric_times, output_metric_roots, output_subspace
+from .low_rank_fit import metric_basis, metric_times, output_metric_roots, output_subspace
 from .rank_selection import SketchSize, sketch_size
 from .validation import check_choice, check_int_tuple, check_positive_int, check_sketch_fits_a_tensor, check_tensor
 
@@ -186,14 +186,16 @@ class _SKConvNd(SketchedLayer):
         return (self.out_channels, self.in_channels, *self.kernel_size)
 
     def _svd_factors(self, matrix: Tensor, gram: Optional[Tensor], fit: str, output_gram: Optional[Tensor] = None):
-        # K ≈ R⁻¹ Q Qᵀ R K (R = I without an output metric). U = 2L·(R⁻¹Q)ᵀ carries the factor
-        # 2L that the 1/(2L) scale undoes, so the intermediate conv(x, S) with S = Qᵀ R K is no
-        # larger than the dense output (R ≤ 1; float16 would overflow if S carried it).
+        # K ≈ R⁻¹Q QᵀR K = P·T QᵀR K (R = I without an output metric; R⁻¹Q = P T, P orthonormal). U = 2L·Pᵀ
+        # carries the 2L the 1/(2L) scale undoes (S = T QᵀR K at the output's scale: no float16 overflow
+        # the dense layer lacks), and a step on S reaches K through orthonormal rows, not through R⁻¹.
         rank = 2 * self.num_terms * self.low_rank
         root, inverse = (None, None) if output_gram is None else output_metric_roots(output_gram, matrix.shape[0])
         target = metric_times(root, matrix)
         basis = output_subspace(target, rank, gram, method=fit, seed=self.seed)
-        return basis.t() @ target, (2 * self.num_terms) * metric_times(inverse, basis).t()
+        output_basis, triangle = metric_basis(inverse, basis)
+        kernel = basis.t() @ target
+        return kernel if triangle is None else triangle @ kernel, (2 * self.num_terms) * output_basis.t()
 
     def _sketch_factors(self, matrix: Tensor, generator: Optional[torch.Generator]) -> Tuple[Tensor, Tensor]:
         rank = 2 * self.num_terms * self.low_rank

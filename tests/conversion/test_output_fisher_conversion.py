@@ -65,6 +65,45 @@ def test_the_weighted_fit_moves_the_predictions_less(sequential):
     assert found[True] < 0.5 * found[False]
 
 
+class _TwoPaths(nn.Module):
+    """Two copies of one layer, ``a`` and ``b``, whose heads read opposite ends of its output
+    channels (``a``: the weak ones, ``b``: the strong ones): alike to the whitened spectra and
+    to noise of a relative size, not to the predictions."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.a, self.b, self.head_a, self.head_b = nn.Linear(24, 24), nn.Linear(24, 24), nn.Linear(24, 6), nn.Linear(24, 6)
+        weight, reads = torch.randn(24, 24, generator=gen) * torch.logspace(0, -1, 24)[:, None], torch.randn(6, 24, generator=gen)
+        with torch.no_grad():
+            self.a.weight.copy_(weight), self.b.weight.copy_(weight), self.b.bias.copy_(self.a.bias)
+            self.head_a.weight.copy_(reads * torch.logspace(-2, 0.5, 24))
+            self.head_b.weight.copy_(reads * torch.logspace(0.5, -2, 24))
+
+    def forward(self, x):
+        return {"logits": self.head_a(torch.relu(self.a(x))) + self.head_b(torch.relu(self.b(x)))}
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_the_global_plan_spends_the_budget_where_the_predictions_feel_it(sequential):
+    original, batches, held_out = _TwoPaths(), _batches(), _batches(seed=2)
+    options = dict(num_terms=1, calibration_data=batches, output_fisher=True, shrinkage=0, progress=False)
+    planned = {}
+    for weighted in (False, True):
+        model = copy.deepcopy(original)
+        report = panther_lite.convert(model, target_modules=["a", "b"], param_ratio=0.5, allocation="global",
+                                      sequential=sequential, **dict(options, output_fisher=weighted))
+        planned[weighted] = (tuple(int(rank) for rank in report["low_rank"]), _kl(original, model, held_out))
+    splits = {}
+    for ranks in [(1, 4), (2, 3), (3, 2), (4, 1)]:  # every split of the budget (5 ranks between them)
+        model = copy.deepcopy(original)
+        for name, rank in zip("ab", ranks):
+            panther_lite.convert(model, target_modules=[name], low_rank=rank, **options)
+        splits[ranks] = _kl(original, model, held_out)
+    assert planned[True][0] != planned[False][0] and planned[True][0] == min(splits, key=splits.get)
+    assert planned[True][1] < 1.25 * min(splits.values())  # the split's layers' Fishers measured one at a time
+
+
 def test_the_fit_is_initialize_from_weight_with_the_measured_fisher():
     original, batches = _Classifier(), _batches()
     model = copy.deepcopy(original)

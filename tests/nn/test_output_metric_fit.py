@@ -79,15 +79,49 @@ def test_the_weighted_fit_never_loses_to_the_unweighted_one_in_the_metric(seed, 
 
 
 @pytest.mark.parametrize("method", ["exact", "randomized"])
-def test_activations_keep_the_dense_layers_scale(method):
-    """The metric is scaled so that ``R ≤ 1``: ``x·S1`` is never larger than the dense output
-    however peaked the metric (a float16 layer overflows only where the dense one would)."""
+def test_activations_keep_the_layers_scale(method):
+    """``x·S1`` has the norm of the first half's output ``x·S1·U1/(2L)`` (``U1``'s rows are
+    orthonormal times ``2L``), below the dense output here, however peaked the metric: a float16
+    layer overflows only where its own output would."""
     weight, gram, output_gram = _problem(3)
     output_gram = output_gram * 1e6
     output_gram[0, 0] *= 1e4
-    S1, _, _, _ = sketch_factors_from_weight(weight, 1, 4, gram, output_gram=output_gram, method=method)
+    S1, U1, _, _ = sketch_factors_from_weight(weight, 1, 4, gram, output_gram=output_gram, method=method)
     x = torch.randn(50, 18, dtype=torch.float64)
-    assert (x @ S1).norm() <= (x @ weight.t()).norm() * (1 + 1e-12)
+    torch.testing.assert_close((x @ S1).norm(), (x @ S1 @ U1 / 2).norm(), rtol=1e-12, atol=0)
+    assert (x @ S1).norm() <= (x @ weight.t()).norm()
+
+
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_a_step_on_the_trained_factors_reaches_the_weight_unamplified(diagonal):
+    """The fixed ``U1`` has orthonormal rows (times ``2L``) under any metric, as without one: a
+    change of ``S1`` moves the effective weight by its own size. Behind ``R⁻¹`` (which a peaked
+    Fisher makes 100× and more) fine-tuning's steps would reach the weight amplified."""
+    weight, gram, output_gram = _problem(8)
+    output_gram[0, 0] *= 1e6
+    metric = output_gram.diagonal().clone() if diagonal else output_gram
+    num_terms = 2
+    S1, U1, U2, S2 = sketch_factors_from_weight(weight, num_terms, 2, gram, output_gram=metric, method="exact")
+    eye = torch.eye(U1.shape[0], dtype=torch.float64)
+    torch.testing.assert_close(U1 @ U1.t(), (2 * num_terms) ** 2 * eye, rtol=0, atol=1e-10)
+    step = torch.randn_like(S1)
+    moved = _effective((S1 + step, U1, U2, S2), num_terms) - _effective((S1, U1, U2, S2), num_terms)
+    torch.testing.assert_close(moved.norm(), step.norm(), rtol=1e-10, atol=0)
+
+
+def test_the_sketched_convolution_keeps_its_fixed_factor_orthonormal_under_a_metric():
+    from panther_lite.nn import SKConv2d
+
+    gen = torch.Generator().manual_seed(9)
+    dense = nn.Conv2d(3, 24, 3).double()
+    gram, output_gram = _weighted_problem(24, 27)
+    output_gram[0, 0] *= 1e6
+    layer = SKConv2d.from_conv2d(dense, num_terms=1, low_rank=2)
+    layer.initialize_from_weight(dense.weight, "svd", gram, fit="exact", output_gram=output_gram)
+    fixed = [buffer for buffer in layer.buffers() if buffer.shape[-1] == 24][0].reshape(-1, 24)
+    torch.testing.assert_close(fixed @ fixed.t(), 4 * torch.eye(fixed.shape[0], dtype=torch.float64), rtol=0, atol=1e-10)
+    expected = _explicit_fit(dense.weight.detach().reshape(24, -1), gram, output_gram, 4)
+    torch.testing.assert_close(layer.effective_weight().detach().reshape(24, -1), expected, rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize(

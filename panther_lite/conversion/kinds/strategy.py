@@ -47,9 +47,9 @@ class LayerStrategy(ABC):
     @abstractmethod
     def energies(self, record: LayerRecord, recorder, config=None) -> Dict[str, Tensor]:
         """``{part name: squared singular values}`` of each part's whitened weight (the global
-        allocation's spectra) from ``recorder`` (None, or no rows: the weight's own spectrum),
-        its statistics shrunk as the :class:`~panther_lite.conversion.ConvertConfig` ``config``
-        says (needed with a recorder)."""
+        allocation's spectra; weighted by the record's ``output_gram`` when it holds one) from
+        ``recorder`` (None, or no rows: the weight's own spectrum), its statistics shrunk as the
+        :class:`~panther_lite.conversion.ConvertConfig` ``config`` says (needed with a recorder)."""
 
     # ------------------------------------------------------------------ fitting
     @abstractmethod
@@ -75,7 +75,8 @@ class MatrixStrategy(LayerStrategy):
         return GramRecorder(record, device, held_back)
 
     def energies(self, record: LayerRecord, recorder, config=None) -> Dict[str, Tensor]:
-        return {record.name: whitened_energy(record.weight_matrix(), spectrum_gram(recorder, record, config))}
+        gram = spectrum_gram(recorder, record, config)
+        return {record.name: whitened_energy(record.weight_matrix(), gram, output_gram=record.output_gram)}
 
     def fit(self, record: LayerRecord, recorder, init: str, seed: Optional[int], fit: str, shrinkage="auto") -> FitResult:
         return fit_from_gram(record, recorder, init, seed, fit, shrinkage)

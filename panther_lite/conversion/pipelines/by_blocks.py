@@ -207,15 +207,16 @@ class ByBlocks:
 
     def plan(self, job: Conversion) -> Dict[str, PlanNote]:
         """Size the layers (a global plan from one spectra pass over the captured calls) and,
-        with ``output_fisher``, measure each layer's output Fisher on the whole model."""
+        with ``output_fisher``, measure each layer's output Fisher on the whole model first (the
+        plan reads it too)."""
         config, self.job = job.config, job
         notes, pooled = plan_uniform(job.records, config)
+        if config.output_fisher:
+            attach_output_fishers(job.model, job.records, job.data, config.seed)
         if pooled:
             notes.update(plan_global_by_blocks(
                 job.model, pooled, self.block_list, self.captured, config, job.data, self.materialise, self.block_gains
             ))
-        if config.output_fisher:
-            attach_output_fishers(job.model, job.records, job.data, config.seed)
         return notes
 
     def fit(self, job: Conversion) -> Tuple[Dict[str, FitResult], SwapLog]:

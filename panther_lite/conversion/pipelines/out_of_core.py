@@ -111,7 +111,7 @@ class OutOfCore(ByBlocks):
     ) -> None:
         super().__init__(block_list, description, config)
         self.parts, self.state = parts, state
-        self.writing, self.finished = False, 0
+        self.writing, self.finished, self.fishers_measured = False, 0, False
         self.streams: Optional[Tuple[List[Tensor], List[Tensor]]] = None
         self._template = None
 
@@ -119,12 +119,12 @@ class OutOfCore(ByBlocks):
     def materialise(self, index: int, block: nn.Module) -> Iterator[None]:
         """Block ``index`` read from the checkpoint (its weights checked finite) and moved to the
         calibration device for the duration, then released; while fitting, written to the
-        output first (not after an error); while fitting with ``output_fisher``, its layers hold
+        output first (not after an error); with ``output_fisher``, once measured, its layers hold
         their Fishers for the duration."""
         records = self.block_list.records_in(index, self.job.records)
         with self.parts.loaded(index, self.device):
             check_finite_weights([r for r in records if r.to_convert])
-            if self.writing:
+            if self.fishers_measured:
                 self._attach_fishers(index, records)
             try:
                 yield
@@ -185,18 +185,26 @@ class OutOfCore(ByBlocks):
         return list(zip(self.job.data.source, hidden))
 
     def _outside_spectra(self, records: List[LayerRecord], hidden: List[Tensor]) -> Tuple[dict, dict]:
-        return _spectra(self._head(), records, CalibrationData(self._head_batches(hidden)), self.job.config)
+        """:func:`_spectra` of the pooled ``records`` outside the blocks (holding their Fishers
+        meanwhile, when measured) on the last block's outputs ``hidden``."""
+        if self.fishers_measured:
+            self._attach_fishers("outside", records)
+        try:
+            return _spectra(self._head(), records, CalibrationData(self._head_batches(hidden)), self.job.config)
+        finally:
+            release_fishers(records)
 
     def plan(self, job: Conversion) -> Dict[str, PlanNote]:
-        """The saved plan of a resumed run, else :meth:`ByBlocks.plan`'s (the layers outside the
-        blocks from the blocks' outputs), saved when it took a pass over the blocks (global);
-        with ``output_fisher``, the layers' Fishers measured unless a killed run saved them."""
+        """With ``output_fisher``, the layers' Fishers measured first (unless a killed run saved
+        them; a global plan reads them too); then the saved plan of a resumed run, else
+        :meth:`ByBlocks.plan`'s (the layers outside the blocks from the blocks' outputs), saved
+        when it took a pass over the blocks (global)."""
         self.job, config = job, job.config
-        saved = self.state.plan()
-        notes = _restore_plan(job.records, saved) if saved is not None else self._new_plan(job)
         if config.output_fisher:
             self._measure_fishers(job)
-        return notes
+            self.fishers_measured = True
+        saved = self.state.plan()
+        return _restore_plan(job.records, saved) if saved is not None else self._new_plan(job)
 
     def _new_plan(self, job: Conversion) -> Dict[str, PlanNote]:
         notes, pooled = plan_uniform(job.records, job.config)

@@ -9,7 +9,7 @@ from ..calibration.grams import Calibration, collect_grams
 from ..fitting.layer import FitResult
 from ..fitting.planned import fit_planned
 from ..planning.global_plan import plan_global
-from ..planning.output_fisher import attach_output_fishers, release_fishers
+from ..planning.output_fisher import attach_output_fishers, fisher_importances, fisher_totals, release_fishers
 from ..planning.sensitivity import output_gains
 from ..planning.sizes import PlanNote, plan_uniform, rank_multiple_for
 from ..surgery import SwapLog, swap_modules
@@ -29,7 +29,7 @@ class WholeModel:
     def plan(self, job: Conversion) -> Dict[str, PlanNote]:
         """Size the records (uniformly, or from one global budget read from every pooled
         layer's spectrum), record the Grams the non-sequential fits need and, with
-        ``output_fisher``, each layer's output Fisher."""
+        ``output_fisher``, each layer's output Fisher (measured first: the plan reads it too)."""
         config, model = job.config, job.model
         notes, pooled = plan_uniform(job.records, config)
         candidates = [record for record in job.records if record.to_convert]
@@ -37,6 +37,8 @@ class WholeModel:
             device = config.calibration_device
             self.calibration = collect_grams(model, candidates, job.data, config.progress, device, config.held_back)
         calibration = self.calibration
+        if config.output_fisher:
+            attach_output_fishers(model, job.records, job.data, config.seed)
         if pooled:
             recorders = {} if calibration is None else calibration.recorders
             energies = {
@@ -44,14 +46,13 @@ class WholeModel:
             }
             replay = None if calibration is None else calibration.replay
             gains = {} if replay is None else output_gains(model, pooled, replay, config.sensitivity)
+            gains = fisher_importances([r.name for r in pooled], gains, fisher_totals(pooled, energies))
             sizes, multiple_of = config.sizes, rank_multiple_for(config.align)
             notes.update(plan_global(pooled, sizes.default, sizes.ratio_terms, multiple_of, {}, gains, energies))
         if calibration is not None:
             for record in candidates:
                 if config.sequential or not record.to_convert:
                     calibration.release(record.name)
-        if config.output_fisher:
-            attach_output_fishers(model, job.records, job.data, config.seed)
         return notes
 
     def fit(self, job: Conversion) -> Tuple[Dict[str, FitResult], SwapLog]:

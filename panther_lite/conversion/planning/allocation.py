@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ...nn.low_rank_fit import damped_metric_root, metric_times
 from ...nn.rank_selection import dense_size, sketch_size
 
 __all__ = [
@@ -53,19 +54,33 @@ class BudgetTooSmall(ValueError):
         self.minimum, self.minimum_ratio = minimum, minimum_ratio
 
 
-def whitened_energy(weight: Tensor, gram: Optional[Tensor] = None, damping: float = 1e-4) -> Tensor:
-    """Squared singular values of ``W·C`` (``C Cᵀ = G + λ·mean(diag G)·I``, as the fit
-    damps it), by decreasing size; ``gram=None`` means ``G = I`` (the weight's own spectrum).
+def whitened_energy(
+    weight: Tensor, gram: Optional[Tensor] = None, damping: float = 1e-4, output_gram: Optional[Tensor] = None
+) -> Tensor:
+    """Squared singular values of ``R·W·C`` (``C Cᵀ = G + λ·mean(diag G)·I``, as the fit
+    damps it; ``R``: the damped root of an output metric, as the fit takes it), by decreasing
+    size; ``gram=None`` means ``G = I`` (the weight's own spectrum), ``output_gram=None`` ``R = I``.
 
     Args:
         weight: ``(fan_out, fan_in)``.
         gram: optional ``(fan_in, fan_in)`` Gram ``XᵀX`` of the layer's inputs.
+        output_gram: optional metric ``F`` on the outputs, ``(fan_out, fan_out)`` or its
+            diagonal; ``R = (F + 0.01·mean(diag F)·I)^{1/2}`` at ``F``'s own scale
+            (:func:`~panther_lite.nn.low_rank_fit.damped_metric_root`), so the energies are
+            in ``F``'s units.
 
     Returns:
-        ``(min(fan_out, fan_in),)`` float64: the eigenvalues of ``W G Wᵀ`` (or of
-        ``Lᵀ WᵀW L`` with ``G = L Lᵀ`` when ``fan_in`` is the smaller side).
+        ``(min(fan_out, fan_in),)`` float64: the eigenvalues of ``RW G WᵀR`` (or of
+        ``Lᵀ WᵀR²W L`` with ``G = L Lᵀ`` when ``fan_in`` is the smaller side).
+
+    Example:
+        >>> energy = whitened_energy(torch.diag(torch.tensor([3.0, 1.0])), output_gram=torch.tensor([1.0, 0.0]))
+        >>> [round(float(e), 3) for e in energy]
+        [9.045, 0.005]
     """
     w = weight.detach().double()
+    if output_gram is not None:
+        w = metric_times(damped_metric_root(output_gram.detach().double().to(w.device)), w)
     if gram is None:
         square = w @ w.t() if w.shape[0] <= w.shape[1] else w.t() @ w
     else:

@@ -11,9 +11,16 @@ Kronecker factor of the KL's Hessian beside the input Gram ``G`` the fits alread
 
 A layer wider than ``full_up_to`` outputs gets the diagonal of ``F`` alone (a 14,336-wide
 projection's full ``F`` is 0.8 GB in float32).
+
+A global plan reads the same metric: a layer holding ``F`` offers the spectrum of ``R W C``
+(``R = F^{1/2}``, :func:`~.allocation.whitened_energy`), whose tail beyond a rank is the KL its
+fit at that rank costs, in units shared by every layer measured on the same tokens; its
+weight in the plan is its total energy (:func:`fisher_importances`), so the plan minimises the
+summed predicted KL rather than relative errors times measured gains.
 """
 from __future__ import annotations
 
+import statistics
 from typing import Dict, Iterable, List, Mapping, Sequence
 
 import torch
@@ -147,3 +154,27 @@ def release_fishers(records: Sequence[LayerRecord]) -> None:
     """Every record's ``output_gram`` dropped (its fit is done: the memory is freed)."""
     for record in records:
         record.output_gram = None
+
+
+def fisher_totals(records: Sequence[LayerRecord], energies: Mapping[str, Tensor]) -> Dict[str, float]:
+    """``{name: Σ energies[name]}`` of the ``records`` holding an output Fisher now (their
+    energies Fisher-weighted: the whole output's KL cost in the Fisher's units)."""
+    return {r.name: float(energies[r.name].sum()) for r in records if r.output_gram is not None and r.name in energies}
+
+
+def fisher_importances(names: Sequence[str], gains: Mapping[str, float], totals: Mapping[str, float]) -> Dict[str, float]:
+    """The global plan's weights (``{name: w}``, see :mod:`.allocation`) for the layers ``names``
+    when those in ``totals`` have Fisher-weighted energies: each of those weighs its total, so
+    its relative error times the weight is its predicted KL; every other layer keeps its
+    measured squared gain (1 when none), scaled into the same units by the median of total /
+    gain over the Fisher-weighted layers. Without ``totals``, ``gains`` as they are.
+
+    Example:
+        >>> fisher_importances(["a", "b", "c"], {"a": 2.0, "b": 4.0, "c": 1.0}, {"a": 6.0, "b": 8.0})
+        {'a': 6.0, 'b': 8.0, 'c': 2.5}
+    """
+    if not totals:
+        return dict(gains)
+    ratios = [totals[n] / gains.get(n, 1.0) for n in totals if 0 < gains.get(n, 1.0) < float("inf")]
+    scale = statistics.median(ratios) if ratios else 1.0
+    return {name: totals[name] if name in totals else gains.get(name, 1.0) * scale for name in names}

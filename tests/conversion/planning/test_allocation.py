@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from panther_lite.conversion.planning.allocation import LayerSpectrum, allocate_budget, minimum_stored, whitened_energy
+from panther_lite.nn import SKLinear
 from panther_lite.nn.rank_selection import dense_size, select_config, sketch_size
 
 
@@ -123,3 +124,27 @@ def test_whitened_energy_is_the_spectrum_the_fit_truncates(shape):
     expected = torch.linalg.svdvals(weight @ root) ** 2
     torch.testing.assert_close(whitened_energy(weight, gram), expected, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(whitened_energy(weight), torch.linalg.svdvals(weight) ** 2, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("shape", [(12, 30), (30, 12)])
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_the_fisher_weighted_energy_beyond_a_rank_is_that_fits_error_in_the_fishers_units(shape, diagonal):
+    generator = torch.Generator().manual_seed(0)
+    fan_out, fan_in = shape
+    weight = torch.randn(*shape, dtype=torch.float64, generator=generator)
+    x = torch.randn(200, fan_in, dtype=torch.float64, generator=generator) * torch.linspace(0.1, 3, fan_in, dtype=torch.float64)
+    g = torch.randn(300, fan_out, dtype=torch.float64, generator=generator) * torch.linspace(3, 0.1, fan_out, dtype=torch.float64)
+    gram, fisher = x.t() @ x, (g * g).sum(0) if diagonal else g.t() @ g
+    energy = whitened_energy(weight, gram, output_gram=fisher)
+    ridge = 1e-4 * gram.diagonal().mean() * torch.eye(fan_in, dtype=torch.float64)
+    eigvals, eigvecs = torch.linalg.eigh(gram + ridge)
+    input_root = (eigvecs * eigvals.sqrt()) @ eigvecs.t()
+    metric = torch.diag(fisher) if diagonal else fisher
+    eigvals, eigvecs = torch.linalg.eigh(metric + 1e-2 * metric.diagonal().mean() * torch.eye(fan_out, dtype=torch.float64))
+    output_root = (eigvecs * eigvals.sqrt()) @ eigvecs.t()
+    for low_rank in (1, 2, 3):
+        layer = SKLinear(fan_in, fan_out, num_terms=1, low_rank=low_rank, dtype=torch.float64, seed=0)
+        layer.initialize_from_weight(weight, "svd", gram, output_gram=fisher)
+        error = output_root @ (weight - layer.effective_weight().detach()) @ input_root
+        torch.testing.assert_close(energy[2 * low_rank:].sum(), (error ** 2).sum(), rtol=1e-8, atol=0)
+    torch.testing.assert_close(energy.sum(), ((output_root @ weight @ input_root) ** 2).sum(), rtol=1e-10, atol=0)

@@ -4,9 +4,11 @@ the diagonal, and a model without logits is refused and left as it was."""
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from panther_lite.conversion.calibration.batches import run_batch
-from panther_lite.conversion.planning.output_fisher import output_fishers
+from panther_lite.conversion.planning.output_fisher import fisher_importances, output_fishers
 
 
 class _Logits(nn.Module):
@@ -92,3 +94,21 @@ def test_a_model_without_logits_is_refused_and_left_as_it_was():
         output_fishers(model, {"0": model[0]}, [lambda m: m(torch.randn(5, 4))])
     assert model.training and all(torch.equal(p, before[name]) and p.grad is None for name, p in model.named_parameters())
     assert not model[0]._forward_hooks  # the taps are gone
+
+
+def test_fisher_weighted_layers_weigh_their_totals_and_the_others_their_gains_in_the_same_units():
+    gains, totals = {"a": 2.0, "b": 4.0, "c": 1.0, "d": 0.5}, {"a": 6.0, "b": 8.0, "e": 3.0}
+    weights = fisher_importances(["a", "b", "c", "d", "e"], gains, totals)
+    assert weights == {"a": 6.0, "b": 8.0, "c": 3.0, "d": 1.5, "e": 3.0}  # gains times the median of 6/2, 8/4, 3/1
+    assert fisher_importances(["a", "c"], gains, {}) == gains  # no Fisher: the measured gains as they were
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0.01, 100), min_size=2, max_size=6), st.floats(1e-3, 1e3))
+def test_the_plans_weights_do_not_depend_on_the_fishers_units(values, scale):
+    names = [f"layer{i}" for i in range(len(values))]
+    gains = {name: value for name, value in zip(names, reversed(values))}
+    totals = {name: value for name, value in zip(names[::2], values[::2])}
+    weights = fisher_importances(names, gains, totals)
+    scaled = fisher_importances(names, gains, {name: scale * total for name, total in totals.items()})
+    assert scaled == pytest.approx({name: scale * weight for name, weight in weights.items()}, rel=1e-9)
