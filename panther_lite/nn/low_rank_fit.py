@@ -320,7 +320,8 @@ def sketch_factors_from_weight(
         ``output_gram``). The fixed ``U1 = 2L·Pᵀ`` (``R⁻¹Q₁ = P T``, :func:`metric_basis`;
         ``P = Q₁``, ``T = I`` without ``output_gram``) has orthonormal rows times the factor
         ``2L``, so ``S1 = (RW)ᵀ Q₁ Tᵀ`` trains unamplified and the activations ``x·S1``
-        stay at the dense layer's scale (no float16 overflow where the dense layer has none);
+        have the norm of the first half's output (the dense layer's scale without a metric;
+        no float16 overflow where the layer's own output has none);
         ``U2`` is orthonormal, so ``x·U2`` is no larger than ``x``, and ``S2`` carries ``2L``
         into the last GEMM, whose ``alpha`` removes it.
 

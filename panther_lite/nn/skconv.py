@@ -186,16 +186,14 @@ class _SKConvNd(SketchedLayer):
         return (self.out_channels, self.in_channels, *self.kernel_size)
 
     def _svd_factors(self, matrix: Tensor, gram: Optional[Tensor], fit: str, output_gram: Optional[Tensor] = None):
-        # K ≈ R⁻¹Q QᵀR K = P·T QᵀR K (R = I without an output metric; R⁻¹Q = P T, P orthonormal). U = 2L·Pᵀ
-        # carries the 2L the 1/(2L) scale undoes (S = T QᵀR K at the output's scale: no float16 overflow
-        # the dense layer lacks), and a step on S reaches K through orthonormal rows, not through R⁻¹.
+        # K ≈ R⁻¹Q QᵀR K = P·T QᵀR K (R⁻¹Q = P T, P orthonormal; R = I without a metric). U = 2L·Pᵀ carries the 2L
+        # the 1/(2L) scale undoes (S = T QᵀR K at the output's scale), and a step on S reaches K unamplified by R⁻¹.
         rank = 2 * self.num_terms * self.low_rank
         root, inverse = (None, None) if output_gram is None else output_metric_roots(output_gram, matrix.shape[0])
         target = metric_times(root, matrix)
         basis = output_subspace(target, rank, gram, method=fit, seed=self.seed)
         output_basis, triangle = metric_basis(inverse, basis)
-        kernel = basis.t() @ target
-        return kernel if triangle is None else triangle @ kernel, (2 * self.num_terms) * output_basis.t()
+        return (basis.t() if triangle is None else triangle @ basis.t()) @ target, (2 * self.num_terms) * output_basis.t()
 
     def _sketch_factors(self, matrix: Tensor, generator: Optional[torch.Generator]) -> Tuple[Tensor, Tensor]:
         rank = 2 * self.num_terms * self.low_rank
