@@ -98,11 +98,11 @@ def output_metric_roots(output_gram: Tensor, out_features: int, damping: float =
     return _from_eigen(roots, vectors), _from_eigen(1.0 / roots, vectors)
 
 
-def damped_metric_root(output_gram: Tensor, damping: float = OUTPUT_DAMPING) -> Tensor:
+def damped_metric_root(output_gram: Tensor, out_features: int, damping: float = OUTPUT_DAMPING) -> Tensor:
     """``(F + λ·mean(diag F)·I)^{1/2}`` at ``F``'s own scale (``λ = damping``, as the fits damp
     it): ``‖R (W − Ŵ) C‖²`` is then the error in ``F``'s units, comparable between layers whose
     metrics were summed over the same tokens. Shapes and errors as :func:`output_metric_roots`."""
-    values, vectors, mean = _damped_metric(output_gram, output_gram.shape[0], damping)
+    values, vectors, mean = _damped_metric(output_gram, out_features, damping)
     return _from_eigen((values * mean).sqrt(), vectors)
 
 

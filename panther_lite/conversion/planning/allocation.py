@@ -80,7 +80,7 @@ def whitened_energy(
     """
     w = weight.detach().double()
     if output_gram is not None:
-        w = metric_times(damped_metric_root(output_gram.detach().double().to(w.device)), w)
+        w = metric_times(damped_metric_root(output_gram.detach().double().to(w.device), w.shape[0]), w)
     if gram is None:
         square = w @ w.t() if w.shape[0] <= w.shape[1] else w.t() @ w
     else:

@@ -148,3 +148,8 @@ def test_the_fisher_weighted_energy_beyond_a_rank_is_that_fits_error_in_the_fish
         error = output_root @ (weight - layer.effective_weight().detach()) @ input_root
         torch.testing.assert_close(energy[2 * low_rank:].sum(), (error ** 2).sum(), rtol=1e-8, atol=0)
     torch.testing.assert_close(energy.sum(), ((output_root @ weight @ input_root) ** 2).sum(), rtol=1e-10, atol=0)
+
+
+def test_an_output_metric_of_the_wrong_size_is_named():
+    with pytest.raises(ValueError, match=r"output_gram: expected shape \(6,\) or \(6, 6\), got \(4,\)"):
+        whitened_energy(torch.randn(6, 5), output_gram=torch.ones(4))
