@@ -176,6 +176,9 @@ def convert_config(args: argparse.Namespace) -> ConvertConfig:
         options["refine"] = settings or True
         if options.get("blocks") is False:
             raise CommandError("--refine refines block by block: it cannot be combined with --blocks off")
+    if options.get("output_fisher") and several_processes():
+        raise CommandError("--output-fisher (which --recipe causal-lm sets) measures the Fisher in one process: "
+                           "add --no-output-fisher to compress across processes")
     return ConvertConfig(**options)
 
 

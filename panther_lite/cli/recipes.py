@@ -19,7 +19,7 @@ RECIPES: Dict[str, Tuple[str, ...]] = {
     "causal-lm": (
         "--allocation", "global", "--sensitivity", "kl", "--sequential", "--random-tokens", "256",
         "--distill", "--distill-max-steps", "320", "--distill-lr", "4e-4", "--distill-generate", "512",
-        "--distill-train", "factors,biases,norms", "--distill-autocast", "auto",
+        "--distill-train", "factors,biases,norms", "--distill-autocast", "auto", "--output-fisher",
     ),
 }
 """``{name: its options}``, as they would be typed."""

@@ -2,6 +2,7 @@
 import pytest
 
 from panther_lite.cli import CommandError, build_parser, main
+from panther_lite.cli.compress import convert_config
 from panther_lite.cli.distilling import check_distill_options
 from panther_lite.cli.recipes import RECIPES, expand_recipe
 
@@ -27,8 +28,9 @@ def test_explicit_options_win_before_and_after_the_recipe():
     assert after == before
     assert after["random_tokens"] == 64 and after["allocation"] == "uniform"
     assert after["sensitivity"] == "kl"  # the rest of the recipe stays
-    off = _parsed([*BASE, "--recipe", "causal-lm", "--no-distill", "--no-sequential"])
-    assert off["distill"] is False and off["sequential"] is False and off["allocation"] == "global"
+    off = _parsed([*BASE, "--recipe", "causal-lm", "--no-distill", "--no-sequential", "--no-output-fisher"])
+    assert off["distill"] is False and off["sequential"] is False and off["output_fisher"] is False
+    assert off["allocation"] == "global" and after["output_fisher"] is True
     check_distill_options(build_parser().parse_args(expand_recipe([*BASE, "--recipe", "causal-lm", "--no-distill"])))
     with pytest.raises(CommandError, match="add --distill"):  # a typed setting without --distill stays an error
         check_distill_options(build_parser().parse_args([*BASE, "--distill-lr", "1e-4"]))
@@ -55,3 +57,15 @@ def test_the_command_recommends_the_recipe_for_a_causal_lm_and_runs_it(checkpoin
     bert = ["compress", str(checkpoints["bert"]), "--calibration", str(text_file), "--param-ratio", "0.8"]
     assert main([*bert, "-o", str(tmp_path / "bert")]) == 0
     assert "--recipe" not in capsys.readouterr().err
+
+
+def test_across_processes_the_recipe_names_how_to_turn_its_output_fisher_off(monkeypatch):
+    """The Fisher is measured in one process: under torchrun the recipe's ``--output-fisher`` is
+    refused before any work, naming ``--no-output-fisher``, which then lets the options through."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    recipe = [*BASE, "--param-ratio", "0.8", "--recipe", "causal-lm"]
+    with pytest.raises(CommandError, match="add --no-output-fisher to compress across processes"):
+        convert_config(build_parser().parse_args(expand_recipe(recipe)))
+    assert convert_config(build_parser().parse_args(expand_recipe([*recipe, "--no-output-fisher"]))).output_fisher is False
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert convert_config(build_parser().parse_args(expand_recipe(recipe))).output_fisher is True
