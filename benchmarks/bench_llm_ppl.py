@@ -265,8 +265,9 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
     dense = frame[frame["method"] == "dense"].iloc[0]
     texts_shown = ("like calibration", "other prose", "docstrings")
     ratios = sorted(frame.loc[frame["method"] != "dense", "param_ratio"].unique(), reverse=True)
-    fig = new_figure(figsize=(5.5 * len(ratios) + 1, 6))
-    axes = fig.subplots(1, len(ratios), sharey=True, squeeze=False)[0]
+    bars = [max(2, int((frame["param_ratio"] == ratio).sum())) for ratio in ratios]  # panels as wide as their methods
+    fig = new_figure(figsize=(max(8.0, 0.9 * sum(bars) + 2), 6.5))
+    axes = fig.subplots(1, len(ratios), sharey=True, squeeze=False, gridspec_kw={"width_ratios": bars})[0]
     for ax, ratio in zip(axes, ratios):
         rows = frame[frame["param_ratio"] == ratio]
         for offset, text in enumerate(texts_shown):
@@ -277,12 +278,13 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
                       ha="right")
         ax.set_yscale("log")
         ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_title(f"{ratio:.0%} of the block Linear parameters stored", fontsize=9)
+        ax.set_title(f"{ratio:.0%} stored", fontsize=9)
     axes[0].set_ylabel("perplexity / dense perplexity")
     axes[0].legend(fontsize=7)
     threads = ", ".join(str(n) for n in sorted(frame["threads"].unique()))
     machine = frame["machine"].iloc[0].split(" (")[0]
-    fig.suptitle(f"{frame['split'].iloc[0]} texts, windows of {WINDOW} — {machine}, {threads} thread(s) (see the CSV)",
+    fig.suptitle(f"share of the block Linear parameters stored; {frame['split'].iloc[0]} texts, windows of {WINDOW} — "
+                 f"{machine}, {threads} thread(s) (see the CSV)",
                  fontsize=9)
     save_figure(fig, path)
 
