@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..conversion import ConvertConfig, DistillConfig, TeacherOutputs, distill, teacher_outputs
-from ..conversion.distilling import DistillationResult, sampled_batches
+from ..conversion.distilling import DistillationResult, sampled_batches, sampled_with_outputs
 from ..conversion.distilling.config import TRAINABLE
 from ..conversion.distilling.memory import check_training_memory
 from ..conversion.fitting.autocast import AUTOCAST_CHOICES, resolve_autocast
@@ -107,41 +107,51 @@ def sampling_dtype(autocast, dtype: Optional[torch.dtype]) -> Optional[torch.dty
     return dtype
 
 
-def _with_samples(args: argparse.Namespace, batches: List[dict], dtype, autocast, say) -> List[dict]:
+def _with_samples(args: argparse.Namespace, batches: List[dict], dtype, config: DistillConfig,
+                  say) -> Tuple[List[dict], Optional[list]]:
     """``batches`` and, with ``--distill-generate N``, N sequences the original samples (streamed
     from MODEL_DIR in :func:`sampling_dtype`; every process draws the same ones) as long as the widest
     calibration batch, each continuing the first :data:`SAMPLED_PREFIX` tokens of a sample (half of
-    them, for calibration batches shorter than twice that)."""
+    them, for calibration batches shorter than twice that); and, when it samples in ``dtype``, the
+    original's outputs on each batch kept from those very forwards (None for the calibration
+    batches: ``teacher_outputs``'s ``known``), else None."""
     if not args.distill_generate:
-        return batches
+        return batches, None
     length = max(batch["input_ids"].shape[1] for batch in batches)
     prefix = min(SAMPLED_PREFIX, length // 2)
     if not prefix:
         raise CommandError("--distill-generate continues the first tokens of a calibration sample, and the calibration "
                            "samples hold one token each: give longer samples")
     started = time.perf_counter()
-    sampling = sampling_dtype(autocast, dtype)
+    sampling = sampling_dtype(config.autocast, dtype)
+    options = {"prefix": prefix, "batch_size": batches[0]["input_ids"].shape[0]}
     with streamed_model(args.model_dir, sampling) as teacher:
-        sampled = sampled_batches(teacher, batches, args.distill_generate, length, prefix=prefix,
-                                  batch_size=batches[0]["input_ids"].shape[0], progress=not args.quiet)
+        if sampling == dtype:
+            sampled, known = sampled_with_outputs(teacher, batches, args.distill_generate, length, config, **options)
+            known = [None] * len(batches) + known
+        else:
+            sampled = sampled_batches(teacher, batches, args.distill_generate, length, progress=config.progress,
+                                      **options)
+            known = None
     say(f"sampled {args.distill_generate} sequences of {length} tokens from the original in "
-        f"{time.perf_counter() - started:.1f} s{' (bfloat16)' if sampling == torch.bfloat16 else ''}")
-    return batches + sampled
+        f"{time.perf_counter() - started:.1f} s{' (bfloat16)' if sampling == torch.bfloat16 else ''}"
+        f"{', keeping its outputs on them' if known else ''}")
+    return batches + sampled, known
 
 
 def distiller(args: argparse.Namespace, batches: List[dict], tokenizer, dtype, say) -> Optional[Callable]:
     """With ``--distill``, :func:`~panther_lite.compress_checkpoint`'s ``distill`` step: the
     original's outputs on the text ``batches`` (with ``--distill-generate N``, N sequences it
-    samples; and ``--random-tokens N`` random-token sequences of
-    ``distill``'s length, drawn once) cached now, streamed from MODEL_DIR in ``dtype``, and
-    :func:`run_distill` against them; else None."""
+    samples, their outputs kept as it samples them where it samples in ``dtype``; and
+    ``--random-tokens N`` random-token sequences of ``distill``'s length, drawn once) cached now,
+    streamed from MODEL_DIR in ``dtype``, and :func:`run_distill` against them; else None."""
     if not args.distill:
         return None
     random = {"tokenizer": tokenizer, "random_tokens": args.random_tokens} if args.random_tokens else {}
     config = DistillConfig(progress=not args.quiet, **random, **check_distill_options(args))
-    batches = _with_samples(args, batches, dtype, config.autocast, say)
+    batches, known = _with_samples(args, batches, dtype, config, say)
     started = time.perf_counter()
-    cached = teacher_outputs(args.model_dir, batches, config, dtype=dtype)
+    cached = teacher_outputs(args.model_dir, batches, config, dtype=dtype, known=known)
     say(f"cached the original's outputs on {len(cached)} batches ({cached.nbytes / 2**20:.1f} MiB, top "
         f"{config.top_k} log-probabilities per token) in {time.perf_counter() - started:.1f} s")
     return lambda model, directory: run_distill(model, cached, batches, config, directory, say)

@@ -422,6 +422,9 @@ def test_distill_generate_trains_on_sequences_the_streamed_original_samples_afte
     real_distill = distilling_module.distill
     monkeypatch.setattr(distilling_module, "distill", lambda model, cached, data, config: seen.update(
         data=data, cached=cached) or real_distill(model, cached, data, config))
+    real_cache = distilling_module.teacher_outputs
+    monkeypatch.setattr(distilling_module, "teacher_outputs", lambda *args, known, **kwargs: seen.update(
+        known=known) or real_cache(*args, known=known, **kwargs))
     argv = _argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS, "--distill", "--distill-steps", "2",
                  "--distill-generate", "5")
     assert main(argv) == 0
@@ -433,6 +436,12 @@ def test_distill_generate_trains_on_sequences_the_streamed_original_samples_afte
     assert len(seen["data"]) == len(batches) + len(expected) == len(seen["cached"])
     for got, want in zip(seen["data"][len(batches):], expected):  # the streamed teacher samples as the whole one
         assert torch.equal(got["input_ids"], want["input_ids"]) and bool(got["attention_mask"].all())
+    assert seen["known"][:len(batches)] == [None] * len(batches)  # the text's outputs: one forward each
+    reference = panther_lite.teacher_outputs(teacher, expected, top_k=64, progress=False).targets
+    for index, want in enumerate(reference, start=len(batches)):  # the sampled ones: kept while sampling
+        kept = seen["cached"].targets[index]
+        assert kept is seen["known"][index]
+        torch.testing.assert_close(kept.log_probs, want.log_probs, rtol=0, atol=1e-4)
 
 
 

@@ -137,3 +137,9 @@ class DistillConfig:
             set_field("eval_every", check_positive_int("eval_every", self.eval_every))
         set_field("seed", check_int("seed", self.seed, minimum=0))
         set_field("autocast", check_autocast(self.autocast, "distill"))
+
+    @property
+    def compares_top_k_logits(self) -> bool:
+        """Whether a cache under these settings keeps a causal LM's logits as their top ``k``
+        log-probabilities: ``outputs`` None or ``"logits"`` and ``loss`` ``"auto"`` or ``"kl"``."""
+        return self.outputs in (None, "logits") and self.loss in ("auto", "kl")

@@ -167,6 +167,11 @@ class TopKLogProbs(NamedTuple):
     indices: Tensor
     tail: Optional[Tensor]
 
+    def stored(self) -> "TopKLogProbs":
+        """These log-probabilities as a cache keeps them: float32, on the CPU."""
+        tail = None if self.tail is None else self.tail.float().cpu()
+        return TopKLogProbs(self.log_probs.float().cpu(), self.indices.cpu(), tail)
+
 
 def top_k_log_probs(rows: Tensor, k: int, temperature: float) -> TopKLogProbs:
     """The :class:`TopKLogProbs` of the logits ``rows`` (rows, vocabulary) at temperature ``T``

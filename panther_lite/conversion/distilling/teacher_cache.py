@@ -28,7 +28,7 @@ import contextlib
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ..pipelines.streamed_model import streamed_model
 from ..calibration.batches import add_to_digest, evaluation_run, run_batch
+from ..calibration.tokens import batch_token_mask
 from ..config import configured
 from ..pipelines.blocks import without_kv_cache
 from ..process_groups.distillation import batch_owner, share_of
@@ -118,20 +119,55 @@ def _kept(batch, output, name: Optional[str], settings: DistillConfig) -> Target
     """What is cached of the teacher's selected ``output`` on ``batch``, on the CPU."""
     if settings.loss == "kl" or (settings.loss == "auto" and name == "logits"):
         rows = at_real_tokens(batch, output).reshape(-1, output.shape[-1])
-        kept = top_k_log_probs(rows, settings.top_k, settings.temperature)
-        tail = None if kept.tail is None else kept.tail.float().cpu()
-        return TopKLogProbs(kept.log_probs.float().cpu(), kept.indices.cpu(), tail)
+        return top_k_log_probs(rows, settings.top_k, settings.temperature).stored()
     return output.detach().cpu()
 
 
-def _run(model: nn.Module, batches: list, settings: DistillConfig, owned: Callable[[int], bool]) -> list:
-    """The cached output of each ``owned`` batch (None for the others): ``model`` in eval mode, no
-    grad, no key/value cache."""
+def _checked_known(known, batches: list, settings: DistillConfig) -> list:
+    """``known`` (None, or a target or None per data batch) as a list as long as ``batches``, each
+    target the top-``k`` log-probabilities of its batch's real tokens (ValueError naming ``known``)."""
+    if known is None:
+        return [None] * len(batches)
+    known = list(known)
+    if len(known) != len(batches):
+        raise ValueError(f"teacher_outputs: known holds {len(known)} targets for {len(batches)} data batches; "
+                         "give one per batch (None where the teacher is to run)")
+    for index, (target, batch) in enumerate(zip(known, batches)):
+        if target is None:
+            continue
+        tokens = _real_token_count(batch)
+        if not isinstance(target, TopKLogProbs) or target.log_probs.shape != (tokens, target.log_probs.shape[-1]):
+            raise ValueError(f"teacher_outputs: known[{index}] must be the TopKLogProbs of the {tokens} real tokens of "
+                             f"data batch {index} (as sampled_with_outputs makes), got {_described(target)}")
+        kept = target.log_probs.shape[-1]
+        if not settings.compares_top_k_logits or not (kept == settings.top_k or (target.tail is None and kept < settings.top_k)):
+            raise ValueError(f"teacher_outputs: known[{index}] keeps the top {kept} log-probabilities of logits, but "
+                             f"outputs={settings.outputs!r}, loss={settings.loss!r}, top_k={settings.top_k} are asked for")
+    return known
+
+
+def _real_token_count(batch) -> Optional[int]:
+    """The real tokens of a dict batch (its ``attention_mask``'s ones, else all its ``input_ids``); None for another batch."""
+    if not isinstance(batch, dict) or not isinstance(batch.get("input_ids"), Tensor):
+        return None
+    mask = batch_token_mask(batch)
+    return batch["input_ids"].numel() if mask is None else int(mask.sum())
+
+
+def _described(target) -> str:
+    if isinstance(target, TopKLogProbs):
+        return f"TopKLogProbs of shape {tuple(target.log_probs.shape)}"
+    return type(target).__name__
+
+
+def _run(model: nn.Module, batches: list, settings: DistillConfig, owned: Callable[[int], bool], known: list) -> list:
+    """The cached output of each ``owned`` batch (its ``known`` one where given; None for the batches not
+    owned): ``model`` in eval mode, no grad, no key/value cache."""
     targets = []
     with evaluation_run(model), without_kv_cache(model):
         for index, batch in enumerate(progress_bar(batches, "caching the teacher's outputs", "batch", settings.progress)):
-            if not owned(index):
-                targets.append(None)
+            if not owned(index) or known[index] is not None:
+                targets.append(known[index] if owned(index) else None)
                 continue
             output, name = select_output(run_batch(model, batch, index), settings.outputs, "teacher")
             targets.append(_kept(batch, output, name, settings))
@@ -139,7 +175,8 @@ def _run(model: nn.Module, batches: list, settings: DistillConfig, owned: Callab
 
 
 def teacher_outputs(teacher, data, config: Optional[DistillConfig] = None, *, dtype: Optional[torch.dtype] = None,
-                    process_group=None, **overrides) -> TeacherOutputs:
+                    process_group=None, known: Optional[Sequence[Optional[Target]]] = None,
+                    **overrides) -> TeacherOutputs:
     """Run ``teacher`` once over ``data`` and keep what :func:`~panther_lite.distill` compares, so
     it can train the student against the result (``distill(model, cached, data, ...)``) without
     the teacher in memory (memory, temperature and random tokens: see
@@ -157,6 +194,10 @@ def teacher_outputs(teacher, data, config: Optional[DistillConfig] = None, *, dt
         dtype: the dtype a directory is loaded in (None: the checkpoint's).
         process_group: as for ``distill`` (None: the default group when ``torch.distributed`` is
             initialised): every process passes all the batches and caches its share.
+        known: per data batch, its target already computed (the teacher's top-``k``
+            log-probabilities at every real token, as
+            :func:`~panther_lite.conversion.distilling.sampled_with_outputs` keeps them while it
+            samples), or None where the teacher is to run; None: it runs on every batch.
         **overrides: :class:`~panther_lite.DistillConfig` fields replacing the ``config``'s.
 
     Returns:
@@ -185,6 +226,7 @@ def teacher_outputs(teacher, data, config: Optional[DistillConfig] = None, *, dt
     """
     settings = configured(DistillConfig, config, overrides, caller="teacher_outputs")
     batches, run = data_batches(data), resolve_run(process_group)
+    known = _checked_known(known, batches, settings)
     if isinstance(teacher, (str, os.PathLike)):
         running = streamed_model(teacher, dtype)
     elif isinstance(teacher, nn.Module):
@@ -198,7 +240,7 @@ def teacher_outputs(teacher, data, config: Optional[DistillConfig] = None, *, dt
         random = RandomTokens(settings.tokenizer, settings.random_tokens, settings.random_token_length, settings.seed,
                               device_of(model)).draw(0)
         owned = batch_owner(run, batches + random, "teacher_outputs")
-        targets = _run(model, batches + random, settings, owned)
+        targets = _run(model, batches + random, settings, owned, known + [None] * len(random))
     cpu = torch.device("cpu")
     return TeacherOutputs(tuple(targets), tuple(_digest(batch) for batch in batches),
                           tuple(on_device(batch, cpu) for batch in random), settings, share_of(run))

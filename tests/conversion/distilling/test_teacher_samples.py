@@ -7,7 +7,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from panther_lite.conversion.distilling import sampled_batches, teacher_samples  # noqa: E402
+from panther_lite.conversion.distilling import (  # noqa: E402
+    DistillConfig, sampled_batches, sampled_with_outputs, teacher_outputs, teacher_samples,
+)
+from panther_lite.conversion.distilling.objective import TopKLogProbs  # noqa: E402
 from panther_lite.conversion.distilling.teacher_samples import (  # noqa: E402
     InverseTransformDraw, key_value_bytes, sampled_together,
 )
@@ -51,9 +54,9 @@ def test_a_seed_repeats_the_draw_and_leaves_the_global_generator_alone(lm):
 
 def test_the_draw_follows_the_softmax_and_never_takes_an_impossible_token():
     scores = torch.tensor([2.0, 0.0, -math.inf, 1.0, -1.0, 0.5]).expand(40_000, 6)
-    drawn = InverseTransformDraw(torch.Generator().manual_seed(0))(None, scores)
-    assert torch.equal(drawn.isfinite().sum(dim=1), torch.ones(40_000, dtype=torch.long))
-    frequencies = torch.bincount(drawn.argmax(dim=1), minlength=6) / 40_000
+    drawn = InverseTransformDraw(torch.Generator().manual_seed(0))(scores)
+    assert drawn.shape == (40_000, 1)
+    frequencies = torch.bincount(drawn[:, 0], minlength=6) / 40_000
     probabilities = torch.softmax(scores[0], dim=0)
     assert frequencies[2] == 0
     torch.testing.assert_close(frequencies, probabilities, rtol=0, atol=0.01)  # 4 standard errors of the largest
@@ -117,8 +120,8 @@ def test_sequences_are_sampled_as_many_together_as_the_cache_bound_allows(lm, mo
     monkeypatch.setattr(teacher_samples, "KEY_VALUE_BYTES", int(2.5 * key_value_bytes(lm, 24)))
     assert sampled_together(lm, 24) == 2
     calls, real = [], teacher_samples._sampled
-    monkeypatch.setattr(teacher_samples, "_sampled", lambda teacher, prompts, length, seed: (
-        calls.append((prompts.shape[0], seed)), real(teacher, prompts, length, seed))[1])
+    monkeypatch.setattr(teacher_samples, "_sampled", lambda teacher, prompts, length, seed, keep: (
+        calls.append((prompts.shape[0], seed)), real(teacher, prompts, length, seed, keep))[1])
     batches = sampled_batches(lm, _calibration(), 5, 24, prefix=12, batch_size=2, seed=7, progress=False)
     assert calls == [(2, 7), (2, 8), (1, 9)]  # group i drawn with seed + i
     assert [b["input_ids"].shape for b in batches] == [(2, 24), (2, 24), (1, 24)]
@@ -130,3 +133,90 @@ def test_a_config_that_does_not_say_the_cache_shape_samples_the_default_number_t
     monkeypatch.setattr(lm, "config", object())
     assert key_value_bytes(lm, 24) is None
     assert sampled_together(lm, 24) == teacher_samples.UNKNOWN_CACHE_TOGETHER
+
+
+def test_the_end_of_text_is_never_drawn_however_likely(lm):
+    favouring = copy.deepcopy(lm)
+    favouring.generation_config.eos_token_id = [5, 9]
+    with torch.no_grad():
+        favouring.lm_head.weight[5] = favouring.model.norm.weight * 50  # token 5 first almost everywhere
+    prompt = _calibration()[0]["input_ids"][:1, :12]
+    assert favouring(prompt).logits[0, -1].argmax() == 5
+    ids = sampled_batches(favouring, [{"input_ids": prompt.expand(64, 12)}], 64, 40, prefix=12, batch_size=64,
+                          progress=False)[0]["input_ids"]
+    assert not bool(torch.isin(ids[:, 12:], torch.tensor([5, 9])).any())
+
+
+def _families():
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    return {"gpt2": gpt2.eval(), "llama-grouped-heads": llama.eval()}
+
+
+def _dense(kept: TopKLogProbs, vocabulary: int) -> torch.Tensor:
+    """The kept log-probabilities written into (rows, vocabulary), the rest -inf (order-free)."""
+    rows = torch.full((kept.log_probs.shape[0], vocabulary), -math.inf)
+    return rows.scatter(1, kept.indices.long(), kept.log_probs)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama-grouped-heads"])
+@pytest.mark.parametrize("top_k, temperature", [(64, 1.0), (8, 2.0)])
+def test_outputs_kept_while_sampling_are_what_a_forward_over_the_sequences_caches(family, top_k, temperature):
+    model = _families()[family]
+    config = DistillConfig(top_k=top_k, temperature=temperature, progress=False)
+    sampled, known = sampled_with_outputs(model, _calibration(), 5, 24, config, prefix=12, batch_size=2, seed=3)
+    plain = sampled_batches(model, _calibration(), 5, 24, prefix=12, batch_size=2, seed=3, progress=False)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(sampled, plain))  # the same draw
+    reference = teacher_outputs(model, sampled, config).targets
+    assert len(known) == len(reference) == 3
+    for got, want in zip(known, reference):
+        assert got.log_probs.dtype == torch.float32 and got.indices.dtype == torch.int32
+        assert got.log_probs.shape == want.log_probs.shape == (got.log_probs.shape[0], top_k)
+        torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=1e-4)  # sorted values: order-free
+        if top_k == 64:
+            assert got.tail is None
+            torch.testing.assert_close(_dense(got, 64), _dense(want, 64), rtol=0, atol=1e-4)
+        else:
+            torch.testing.assert_close(got.tail, want.tail, rtol=0, atol=1e-4)
+
+
+def test_known_outputs_are_cached_without_running_the_teacher_on_their_batches(lm):
+    config = DistillConfig(top_k=8, progress=False)
+    sampled, known = sampled_with_outputs(lm, _calibration(), 4, 20, config, prefix=12, batch_size=2)
+    ran = []
+    handle = lm.register_forward_hook(lambda module, args, kwargs_or_output: ran.append(1))
+    try:
+        cached = teacher_outputs(lm, _calibration() + sampled, config, known=[None] + known)
+    finally:
+        handle.remove()
+    assert len(ran) == 1  # the calibration batch only
+    assert cached.targets[1:] == tuple(known)
+    assert cached.targets[0].log_probs.shape == (50, 8)  # the 20 + 10 + 20 real tokens of the calibration batch
+
+
+def test_known_outputs_that_do_not_fit_their_batches_are_named(lm):
+    config = DistillConfig(top_k=8, progress=False)
+    sampled, known = sampled_with_outputs(lm, _calibration(), 2, 20, config, prefix=12, batch_size=2)
+    data = _calibration() + sampled
+    cases = [([None], ValueError, "known holds 1 targets for 2 data batches"),
+             ([None, known[0].log_probs], ValueError, r"known\[1\] must be the TopKLogProbs of the 40 real tokens"),
+             ([known[0], None], ValueError, r"known\[0\] must be the TopKLogProbs of the 50 real tokens")]
+    for given, error, match in cases:
+        with pytest.raises(error, match=match):
+            teacher_outputs(lm, data, config, known=given)
+    with pytest.raises(ValueError, match=r"known\[1\] keeps the top 8 log-probabilities of logits, but .*top_k=16"):
+        teacher_outputs(lm, data, config, known=[None, *known], top_k=16)
+    with pytest.raises(ValueError, match=r"known\[1\] keeps the top 8 .* loss='mse'"):
+        teacher_outputs(lm, data, config, known=[None, *known], loss="mse")
+
+
+def test_sampling_with_outputs_needs_settings_that_compare_logits(lm):
+    for config, match in [(DistillConfig(loss="mse"), "outputs=None, loss='mse'"),
+                          (DistillConfig(outputs="hidden_states"), "outputs='hidden_states', loss='auto'")]:
+        with pytest.raises(ValueError, match=f"config must compare logits .*got {match}"):
+            sampled_with_outputs(lm, _calibration(), 2, 20, config, prefix=12)
+    with pytest.raises(TypeError, match="config must be a DistillConfig, got dict"):
+        sampled_with_outputs(lm, _calibration(), 2, 20, {"top_k": 8}, prefix=12)
