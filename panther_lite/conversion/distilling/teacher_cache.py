@@ -136,11 +136,15 @@ def _checked_known(known, batches: list, settings: DistillConfig) -> list:
         if target is None:
             continue
         tokens = _real_token_count(batch)
+        if tokens is None:
+            raise ValueError(f"teacher_outputs: known[{index}] is given, but data batch {index} is not a dict with "
+                             "input_ids (known targets are a causal LM's, kept while it samples)")
         if not isinstance(target, TopKLogProbs) or target.log_probs.shape != (tokens, target.log_probs.shape[-1]):
             raise ValueError(f"teacher_outputs: known[{index}] must be the TopKLogProbs of the {tokens} real tokens of "
                              f"data batch {index} (as sampled_with_outputs makes), got {_described(target)}")
         kept = target.log_probs.shape[-1]
-        if not settings.compares_top_k_logits or not (kept == settings.top_k or (target.tail is None and kept < settings.top_k)):
+        whole_vocabulary = target.tail is None and kept < settings.top_k
+        if not settings.compares_top_k_logits or not (kept == settings.top_k or whole_vocabulary):
             raise ValueError(f"teacher_outputs: known[{index}] keeps the top {kept} log-probabilities of logits, but "
                              f"outputs={settings.outputs!r}, loss={settings.loss!r}, top_k={settings.top_k} are asked for")
     return known
@@ -155,6 +159,7 @@ def _real_token_count(batch) -> Optional[int]:
 
 
 def _described(target) -> str:
+    """What ``target`` is, for an error message."""
     if isinstance(target, TopKLogProbs):
         return f"TopKLogProbs of shape {tuple(target.log_probs.shape)}"
     return type(target).__name__

@@ -207,6 +207,8 @@ def test_known_outputs_that_do_not_fit_their_batches_are_named(lm):
     for given, error, match in cases:
         with pytest.raises(error, match=match):
             teacher_outputs(lm, data, config, known=given)
+    with pytest.raises(ValueError, match=r"known\[0\] is given, but data batch 0 is not a dict with input_ids"):
+        teacher_outputs(lm, [data[0]["input_ids"], data[1]], config, known=known * 2)
     with pytest.raises(ValueError, match=r"known\[1\] keeps the top 8 log-probabilities of logits, but .*top_k=16"):
         teacher_outputs(lm, data, config, known=[None, *known], top_k=16)
     with pytest.raises(ValueError, match=r"known\[1\] keeps the top 8 .* loss='mse'"):
