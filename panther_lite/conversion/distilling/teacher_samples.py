@@ -154,7 +154,8 @@ def _sampled(teacher: nn.Module, prompts: Tensor, length: int, seed: int,
 
 
 def _sampled_groups(teacher: nn.Module, batches: List[Mapping], count: int, length: int, prefix: int, seed: int,
-                    progress: Optional[bool], keep=None) -> Iterator[Tuple[Tensor, List[TopKLogProbs]]]:
+                    progress: Optional[bool], keep: Optional[Callable[[Tensor], TopKLogProbs]] = None,
+                    ) -> Iterator[Tuple[Tensor, List[TopKLogProbs]]]:
     """:func:`_sampled` over the groups of :func:`sampled_together` sequences making ``count`` (the
     prompts taken in turn), group ``i`` with seed ``seed + i``: its ids and kept outputs, on the CPU."""
     if not callable(getattr(teacher, "generate", None)):
