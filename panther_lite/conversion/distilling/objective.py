@@ -130,12 +130,20 @@ def real_tokens(batch, selected: Tensor) -> Optional[Tensor]:
 def at_real_tokens(batch, selected: Tensor) -> Tensor:
     """``selected`` at the batch's real tokens (:func:`real_tokens`; all of it without a mask)."""
     mask = real_tokens(batch, selected)
-    return selected if mask is None else selected[mask]
+    if mask is None:
+        return selected
+    # all real: the same rows as a view, sparing a copy of the logits and a scatter back in backward
+    return selected.flatten(0, 1) if bool(mask.all()) else selected[mask]
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64, else float32: the loss of a half-precision model is summed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _widened(tensor: Tensor) -> Tensor:
-    """At least float32 (the loss of a half-precision model is summed in float32)."""
-    return tensor if tensor.dtype == torch.float64 else tensor.float()
+    """``tensor`` in at least float32 (:func:`_wide`)."""
+    return tensor.to(_wide(tensor.dtype))
 
 
 def relative_squared_error(student: Tensor, teacher: Tensor) -> Tensor:
@@ -194,7 +202,8 @@ def top_k_kl(student: Tensor, teacher: TopKLogProbs, temperature: float) -> Tens
     """``T² · KL(teacher ‖ student)`` over the ``k + 1`` buckets of ``teacher`` (its ``k`` tokens
     and the tail holding the rest), averaged over the rows: the student's logits ``student``
     (rows, vocabulary) give ``log_softmax(s/T)`` at the same ``k`` tokens and, as its tail, the
-    log-sum-exp of the others. With ``k`` the whole vocabulary it is :func:`softened_kl`.
+    log of the mass left, ``log(1 − Σ_k q)`` (:func:`_student_tail`). With ``k`` the whole
+    vocabulary it is :func:`softened_kl`.
 
     Examples:
         >>> s, t = torch.randn(3, 10, dtype=torch.float64), torch.randn(3, 10, dtype=torch.float64)
@@ -204,17 +213,74 @@ def top_k_kl(student: Tensor, teacher: TopKLogProbs, temperature: float) -> Tens
     """
     if student.shape[0] == 0:
         return student.sum()
-    scaled = _widened(student) / temperature
-    normaliser = scaled.logsumexp(-1, keepdim=True)
     indices = teacher.indices.to(student.device, torch.int64)
-    kept = teacher.log_probs.to(scaled)
-    divergence = (kept.exp() * (kept - (scaled.gather(-1, indices) - normaliser))).sum(-1)
-    if teacher.tail is not None:
-        tail = teacher.tail.to(scaled)
-        student_tail = scaled.scatter(-1, indices, -math.inf).logsumexp(-1) - normaliser.squeeze(-1)
-        # a teacher tail of no mass (its other logits -inf) adds 0, not 0·inf
-        divergence = divergence + torch.where(tail > -math.inf, tail.exp() * (tail - student_tail), 0.0)
-    return divergence.sum() / student.shape[0] * temperature**2
+    wide = _wide(student.dtype)
+    kept = teacher.log_probs.to(student.device, wide)
+    tail = None if teacher.tail is None else teacher.tail.to(student.device, wide)
+    return _TopKDivergence.apply(student, kept, indices, tail, temperature)
+
+
+_LOGSUMEXP_CHUNK_BYTES = 1 << 24  # per-chunk temporaries under glibc's 32 MiB mmap threshold are reused, not faulted in afresh
+_EXACT_TAIL_BELOW_EPS = 1e5  # 1 − Σ_k q is exact to about eps · 10 (float32: a tail under 1.2 % is summed exactly)
+
+
+def _chunked_logsumexp(rows: Tensor, temperature: float) -> Tensor:
+    """``logsumexp(rows / T)`` over the last dimension, (rows,), in at least float32, a few rows at a time."""
+    step = max(1, _LOGSUMEXP_CHUNK_BYTES // (rows.shape[-1] * 4))
+    return torch.cat([(_widened(chunk) / temperature).logsumexp(-1) for chunk in rows.split(step)])
+
+
+def _student_tail(student: Tensor, indices: Tensor, kept: Tensor, normaliser: Tensor, temperature: float) -> Tensor:
+    """``log(1 − Σ_k q)``, (rows,), the student's log-mass outside the teacher's ``k`` tokens, from
+    its log-probabilities ``kept`` there. Where that mass is too small for the difference to stay
+    exact at the logits' precision, the log-sum-exp of the other logits instead (those rows only)."""
+    left = -torch.expm1(kept.double().logsumexp(-1))
+    tail = torch.log(left.clamp_min(0)).to(kept.dtype)
+    small = (left < _EXACT_TAIL_BELOW_EPS * torch.finfo(kept.dtype).eps).nonzero().squeeze(-1)
+    if small.numel():
+        others = (_widened(student[small]) / temperature).scatter(-1, indices[small], -math.inf)
+        tail[small] = others.logsumexp(-1) - normaliser[small]
+    return tail
+
+
+class _TopKDivergence(torch.autograd.Function):
+    """``top_k_kl`` with a backward written out, so the (rows, vocabulary) logits are read a few
+    times and written once: with ``q = softmax(s/T)``, ``P`` the teacher's total mass,
+    ``p_t / q_t`` the ratio of the tails, the gradient in ``s/T`` of a row's divergence is
+    ``(P − p_t/q_t)·q`` off the ``k`` tokens and ``P·q − p`` on them (the teacher's ``k`` indices
+    are distinct)."""
+
+    @staticmethod
+    def forward(ctx, student, kept, indices, tail, temperature):
+        normaliser = _chunked_logsumexp(student, temperature)
+        student_kept = _widened(student.gather(-1, indices)) / temperature - normaliser.unsqueeze(-1)
+        divergence = (kept.exp() * (kept - student_kept)).sum(-1)
+        ratio = torch.zeros_like(normaliser)
+        if tail is not None:
+            student_tail = _student_tail(student, indices, student_kept, normaliser, temperature)
+            # a teacher tail of no mass (its other logits -inf) adds 0, not 0·inf
+            has_tail = tail > -math.inf
+            divergence = divergence + torch.where(has_tail, tail.exp() * (tail - student_tail), 0.0)
+            ratio = torch.where(has_tail, (tail - student_tail).exp(), 0.0)
+        ctx.temperature = temperature
+        ctx.save_for_backward(student, kept, indices, tail, normaliser, student_kept, ratio)
+        return divergence.sum() / student.shape[0] * temperature**2
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        student, kept, indices, tail, normaliser, student_kept, ratio = ctx.saved_tensors
+        temperature = ctx.temperature
+        scale = grad * temperature / student.shape[0]
+        kept_mass = kept.exp()
+        total = kept_mass.sum(-1) + (0.0 if tail is None else tail.exp())
+        probs = torch.empty(student.shape, dtype=normaliser.dtype, device=student.device)
+        torch.sub(student, temperature * normaliser.unsqueeze(-1), out=probs)
+        probs = (probs if temperature == 1 else probs.div_(temperature)).exp_()
+        probs.mul_((scale * (total - ratio)).unsqueeze(-1))
+        # on the k tokens written, not added: (P − p_t/q_t)·q + (p_t/q_t)·q would cancel when q_t is tiny
+        probs.scatter_(-1, indices, scale * (total.unsqueeze(-1) * student_kept.exp() - kept_mass))
+        return probs.to(student.dtype), None, None, None, None
 
 
 class Objective:

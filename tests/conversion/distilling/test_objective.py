@@ -91,3 +91,43 @@ def test_no_rows_give_a_zero_loss_with_a_graph():
     student = torch.zeros(0, VOCAB, requires_grad=True)
     value = top_k_kl(student, top_k_log_probs(torch.zeros(0, VOCAB), 4, 1.0), 1.0)
     assert float(value.detach()) == 0.0 and value.requires_grad
+
+
+def _mixed_tails(dtype):
+    """Student logits whose mass outside the teacher's top 4 ranges from most of it to ~1e-9:
+    the rows cross the point where ``1 − Σ_k q`` stops being exact in float32."""
+    student = _logits(5, scale=1.0)
+    student[:, :4] += torch.linspace(0.0, 30.0, ROWS, dtype=torch.float64).unsqueeze(-1)
+    teacher = _logits(6, scale=1.0)
+    teacher[:, :4] += 6.0  # the teacher's top 4 are the student's heavy tokens
+    return student.to(dtype), top_k_log_probs(teacher, 4, 1.0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 1.7])
+def test_the_written_out_backward_passes_gradcheck_at_float64(temperature):
+    student, kept = _mixed_tails(torch.float64)
+    tiny_tail = _logits(7)[:2].clone()
+    tiny_tail[:, 5] = 60.0  # student rows whose tail is ~1e-24: summed exactly, not as 1 − Σ_k q
+    student = torch.cat([student, tiny_tail]).requires_grad_()
+    kept = top_k_log_probs(torch.cat([_mixed_tails(torch.float64)[0], _logits(8)[:2]]), 3, temperature)
+    assert torch.autograd.gradcheck(lambda s: top_k_kl(s, kept, temperature), (student,))
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
+def test_low_precision_logits_match_the_float64_reference_at_every_tail_size(dtype, rtol):
+    student, kept = _mixed_tails(torch.float64)
+    student = student.to(dtype).double()  # the reference sees the same rounded logits
+    low = student.to(dtype).requires_grad_()
+    value = top_k_kl(low, kept, 1.0)
+    (gradient,) = torch.autograd.grad(value, low)
+    reference = student.clone().requires_grad_()
+    index = kept.indices.long()
+    q = F.log_softmax(reference, -1)
+    q_tail = q.scatter(-1, index, -math.inf).logsumexp(-1)
+    expected = (kept.log_probs.exp() * (kept.log_probs - q.gather(-1, index))).sum(-1)
+    expected = (expected + kept.tail.exp() * (kept.tail - q_tail)).mean()
+    (expected_gradient,) = torch.autograd.grad(expected, reference)
+    assert value.dtype == torch.float32 and gradient.dtype == dtype
+    assert float(value) == pytest.approx(float(expected), rel=rtol)
+    scale = expected_gradient.abs().max()
+    torch.testing.assert_close(gradient.double(), expected_gradient, rtol=0, atol=float(scale) * (1e-5 if dtype == torch.float32 else 1e-2))
