@@ -136,8 +136,9 @@ def _next_logits(teacher: nn.Module, step: Tensor, past, keyword: str):
 def _sampled(teacher: nn.Module, prompts: Tensor, length: int, seed: int,
              keep: Optional[Callable[[Tensor], TopKLogProbs]] = None) -> Tuple[Tensor, List[TopKLogProbs]]:
     """``prompts`` ``(n, prefix)`` continued to ``length`` tokens by ``teacher`` (one token a step,
-    with its key/value cache, allocated once: :func:`~.key_value_cache.preallocated_cache`), sampled at temperature 1 from its whole distribution
-    (:class:`InverseTransformDraw`), end of text never drawn; seeded by a generator of its own
+    with its key/value cache, allocated once: :func:`~.key_value_cache.preallocated_cache`),
+    sampled at temperature 1 from its whole distribution (:class:`InverseTransformDraw`), end of
+    text never drawn; seeded by a generator of its own
     (the global one untouched). With ``keep``, also ``keep(logits)`` of every forward, ``(n, tokens,
     …)``: together the teacher's logits at all ``length`` positions (one more step gives the last)."""
     draw = InverseTransformDraw(torch.Generator(device=prompts.device).manual_seed(seed))
