@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from ...nn.validation import check_int, check_positive_int
 from ..progress import progress_bar
 from .config import DistillConfig
-from .key_value_cache import preallocated_cache
 from .objective import TopKLogProbs, top_k_log_probs
 
 __all__ = ["InverseTransformDraw", "key_value_bytes", "sampled_batches", "sampled_together",
@@ -136,15 +135,13 @@ def _next_logits(teacher: nn.Module, step: Tensor, past, keyword: str):
 def _sampled(teacher: nn.Module, prompts: Tensor, length: int, seed: int,
              keep: Optional[Callable[[Tensor], TopKLogProbs]] = None) -> Tuple[Tensor, List[TopKLogProbs]]:
     """``prompts`` ``(n, prefix)`` continued to ``length`` tokens by ``teacher`` (one token a step,
-    with its key/value cache, allocated once: :func:`~.key_value_cache.preallocated_cache`),
-    sampled at temperature 1 from its whole distribution (:class:`InverseTransformDraw`), end of
-    text never drawn; seeded by a generator of its own
+    with its key/value cache), sampled at temperature 1 from its whole distribution
+    (:class:`InverseTransformDraw`), end of text never drawn; seeded by a generator of its own
     (the global one untouched). With ``keep``, also ``keep(logits)`` of every forward, ``(n, tokens,
     …)``: together the teacher's logits at all ``length`` positions (one more step gives the last)."""
     draw = InverseTransformDraw(torch.Generator(device=prompts.device).manual_seed(seed))
     banned = torch.tensor(_end_of_text(teacher), dtype=torch.long, device=prompts.device)
-    ids, step, kept, keyword = prompts, prompts, [], _cache_keyword(teacher)
-    past = preallocated_cache(teacher, length)
+    ids, step, past, kept, keyword = prompts, prompts, None, [], _cache_keyword(teacher)
     with torch.no_grad():
         for _ in range(length - prompts.shape[1] + (keep is not None)):
             logits, past = _next_logits(teacher, step, past, keyword)
