@@ -297,8 +297,7 @@ def run_compress(args: argparse.Namespace) -> int:
     with _transformers_bars(shown=not args.quiet), quiet_optional_imports(), _warnings_on_one_line():
         tokenizer = load_tokenizer(args.model_dir)
         files = CheckpointFiles(args.model_dir)
-        if args.distill:
-            check_distill_memory(files.skeleton(DTYPES.get(args.dtype)), config)
+        distill_floor = check_distill_memory(files.skeleton(DTYPES.get(args.dtype)), config) if args.distill else 0
         text, batches = _calibration(args, tokenizer, files, say)
         if not several_processes():  # across processes, after the conversion: the others never wait for it
             evaluation.measure("original", args.model_dir, args.quiet)
@@ -309,7 +308,7 @@ def run_compress(args: argparse.Namespace) -> int:
                 args.model_dir, args.output, calibration_data=batches, config=config, resume=args.resume,
                 dtype=DTYPES.get(args.dtype), overwrite=args.overwrite, in_memory=args.in_memory,
                 allow_missing_weights=args.allow_missing_weights,
-                distill=distiller(args, text, tokenizer, DTYPES.get(args.dtype), say),
+                distill=distiller(args, text, tokenizer, DTYPES.get(args.dtype), distill_floor, say),
             )
         except BaseException:
             if kept.is_dir() and not earlier:

@@ -22,7 +22,7 @@ import torch.nn as nn
 from ..conversion import ConvertConfig, DistillConfig, TeacherOutputs, distill, teacher_outputs
 from ..conversion.distilling import DistillationResult, sampled_batches, sampled_with_outputs
 from ..conversion.distilling.config import TRAINABLE
-from ..conversion.distilling.memory import check_training_memory
+from ..conversion.distilling.memory import check_training_memory, training_bytes
 from ..conversion.fitting.autocast import AUTOCAST_CHOICES, resolve_autocast
 from ..conversion.pipelines.blocks import without_kv_cache
 from ..conversion.pipelines.streamed_model import streamed_model
@@ -83,18 +83,21 @@ def check_distill_options(args: argparse.Namespace) -> dict:
     return settings
 
 
-def check_distill_memory(skeleton: nn.Module, config: ConvertConfig) -> None:
+def check_distill_memory(skeleton: nn.Module, config: ConvertConfig) -> int:
     """Refuse ``--distill`` before the calibration is read and anything converted when the converted model cannot
     even be held for training in this machine's memory: ``skeleton`` (the original on the meta
     device) with the layers ``config`` selects at :data:`_STORED_AT_LEAST` of its ``param_ratio``
     (their factors left out for ``--low-rank``), in float32, no element counted as trained (an
-    estimate from below; :func:`~panther_lite.distill` checks the exact need before it trains)."""
+    estimate from below; :func:`~panther_lite.distill` checks the exact need before it trains).
+    Returns that floor in bytes: memory the distillation holds anyway, which ``--distill-generate``'s
+    sampling may fill with the original's blocks (:func:`distiller`)."""
     records = select_layers(skeleton, config.target_modules, config.exclude_modules, config.filter_fn)
     selected = sum(parameter.numel() for record in records for parameter in record.module.parameters())
     total = sum(parameter.numel() for parameter in skeleton.parameters())
     stored = total - selected + int(selected * _STORED_AT_LEAST * (config.param_ratio or 0.0))
     check_training_memory(stored, 0, "--distill",
                           "leave --distill out (--no-distill after --recipe), or compress on a machine with more memory")
+    return training_bytes(stored, 0)
 
 
 def sampling_dtype(autocast, dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
@@ -107,10 +110,11 @@ def sampling_dtype(autocast, dtype: Optional[torch.dtype]) -> Optional[torch.dty
     return dtype
 
 
-def _with_samples(args: argparse.Namespace, batches: List[dict], dtype, config: DistillConfig,
+def _with_samples(args: argparse.Namespace, batches: List[dict], dtype, config: DistillConfig, resident_bytes: int,
                   say) -> Tuple[List[dict], Optional[list]]:
     """``batches`` and, with ``--distill-generate N``, N sequences the original samples (streamed
-    from MODEL_DIR in :func:`sampling_dtype`; every process draws the same ones) as long as the widest
+    from MODEL_DIR in :func:`sampling_dtype`, its blocks kept in memory once read while they total
+    at most ``resident_bytes``; every process draws the same ones) as long as the widest
     calibration batch, each continuing the first :data:`SAMPLED_PREFIX` tokens of a sample (half of
     them, for calibration batches shorter than twice that); and, when it samples in ``dtype``, the
     original's outputs on each batch kept from those very forwards (None for the calibration
@@ -125,7 +129,7 @@ def _with_samples(args: argparse.Namespace, batches: List[dict], dtype, config: 
     started = time.perf_counter()
     sampling = sampling_dtype(config.autocast, dtype)
     options = {"prefix": prefix, "batch_size": batches[0]["input_ids"].shape[0]}
-    with streamed_model(args.model_dir, sampling) as teacher:
+    with streamed_model(args.model_dir, sampling, resident_bytes=resident_bytes) as teacher:
         if sampling == dtype:
             sampled, known = sampled_with_outputs(teacher, batches, args.distill_generate, length, config, **options)
             known = [None] * len(batches) + known
@@ -139,17 +143,20 @@ def _with_samples(args: argparse.Namespace, batches: List[dict], dtype, config: 
     return batches + sampled, known
 
 
-def distiller(args: argparse.Namespace, batches: List[dict], tokenizer, dtype, say) -> Optional[Callable]:
+def distiller(args: argparse.Namespace, batches: List[dict], tokenizer, dtype, resident_bytes: int,
+              say) -> Optional[Callable]:
     """With ``--distill``, :func:`~panther_lite.compress_checkpoint`'s ``distill`` step: the
     original's outputs on the text ``batches`` (with ``--distill-generate N``, N sequences it
-    samples, their outputs kept as it samples them where it samples in ``dtype``; and
+    samples, its blocks kept in memory while they total at most ``resident_bytes``: the floor
+    :func:`check_distill_memory` returns, which the distillation holds anyway; their outputs
+    kept as it samples them where it samples in ``dtype``; and
     ``--random-tokens N`` random-token sequences of ``distill``'s length, drawn once) cached now,
     streamed from MODEL_DIR in ``dtype``, and :func:`run_distill` against them; else None."""
     if not args.distill:
         return None
     random = {"tokenizer": tokenizer, "random_tokens": args.random_tokens} if args.random_tokens else {}
     config = DistillConfig(progress=not args.quiet, **random, **check_distill_options(args))
-    batches, known = _with_samples(args, batches, dtype, config, say)
+    batches, known = _with_samples(args, batches, dtype, config, resident_bytes, say)
     started = time.perf_counter()
     cached = teacher_outputs(args.model_dir, batches, config, dtype=dtype, known=known)
     say(f"cached the original's outputs on {len(cached)} batches ({cached.nbytes / 2**20:.1f} MiB, top "

@@ -425,9 +425,15 @@ def test_distill_generate_trains_on_sequences_the_streamed_original_samples_afte
     real_cache = distilling_module.teacher_outputs
     monkeypatch.setattr(distilling_module, "teacher_outputs", lambda *args, known, **kwargs: seen.update(
         known=known) or real_cache(*args, known=known, **kwargs))
+    real_check, real_streamed = compress_module.check_distill_memory, distilling_module.streamed_model
+    monkeypatch.setattr(compress_module, "check_distill_memory", lambda *args: seen.setdefault(
+        "floor", real_check(*args)))
+    monkeypatch.setattr(distilling_module, "streamed_model", lambda *args, resident_bytes: seen.setdefault(
+        "resident", resident_bytes) and real_streamed(*args, resident_bytes=resident_bytes))
     argv = _argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS, "--distill", "--distill-steps", "2",
                  "--distill-generate", "5")
     assert main(argv) == 0
+    assert seen["resident"] == seen["floor"] > 0  # the sampling may hold what the distillation will
     teacher = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoints["llama"])).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoints["llama"]))
     batches = calibration_batches(read_samples(text_file, 128), tokenizer, teacher, 256, 8)

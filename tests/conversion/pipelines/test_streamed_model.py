@@ -1,4 +1,5 @@
-"""A checkpoint streamed for evaluation holds one block in memory at a time, and none after."""
+"""A checkpoint streamed for evaluation holds one block in memory at a time, or those its resident
+budget keeps, and none after."""
 from __future__ import annotations
 
 import pytest
@@ -29,6 +30,46 @@ def test_each_block_is_read_while_it_runs_and_released_after(checkpoints):
     assert all(param.is_meta for param in model.parameters())
 
 
+def _block_bytes(block) -> int:
+    return sum(p.numel() * p.element_size() for p in block.parameters())
+
+
+@pytest.mark.parametrize("kept", [0, 1, 2])
+def test_blocks_once_read_stay_within_the_resident_budget_and_compute_the_same(checkpoints, monkeypatch, kept):
+    from panther_lite.conversion.pipelines import skeleton_parts
+
+    with streamed_model(checkpoints["llama"]) as model, torch.no_grad():
+        expected = model(input_ids=torch.arange(5, 15)[None]).logits
+        sizes = [_block_bytes(block) for block in repeated_block_list(model).blocks]
+    reads = []
+    real_load = skeleton_parts.SkeletonParts.load
+    monkeypatch.setattr(skeleton_parts.SkeletonParts, "load", lambda self, part: reads.append(part) or real_load(self, part))
+    budget = sum(sizes[:kept]) + sizes[kept] - 1 if kept < len(sizes) else sum(sizes)  # one byte short of one more
+    with streamed_model(checkpoints["llama"], resident_bytes=budget) as model, torch.no_grad():
+        blocks = repeated_block_list(model).blocks
+        for _ in range(2):
+            torch.testing.assert_close(model(input_ids=torch.arange(5, 15)[None]).logits, expected, rtol=0, atol=0)
+        assert [not next(block.parameters()).is_meta for block in blocks] == [i < kept for i in range(len(blocks))]
+    streamed = list(range(kept, len(sizes)))
+    assert reads == [None] + list(range(len(sizes))) + streamed  # the kept ones read once, the others per call
+    assert all(param.is_meta for param in model.parameters())
+
+
+def test_the_whole_model_fits_the_budget_and_is_read_once(checkpoints, monkeypatch):
+    with streamed_model(checkpoints["llama"], resident_bytes=2**40) as model, torch.no_grad():
+        for _ in range(3):
+            model(input_ids=torch.arange(5, 15)[None])
+        assert _real_blocks(repeated_block_list(model).blocks) == len(repeated_block_list(model).blocks)
+    assert all(param.is_meta for param in model.parameters())
+
+
+@pytest.mark.parametrize("budget", [-1, 1.5, "1e9", True])
+def test_a_bad_resident_budget_is_named_and_nothing_is_read(checkpoints, budget):
+    with pytest.raises(ValueError, match="resident_bytes"):
+        with streamed_model(checkpoints["llama"], resident_bytes=budget):
+            pass
+
+
 def test_a_forward_that_fails_inside_a_block_releases_it(checkpoints):
     with streamed_model(checkpoints["llama"]) as model:
         blocks = repeated_block_list(model).blocks
@@ -38,6 +79,17 @@ def test_a_forward_that_fails_inside_a_block_releases_it(checkpoints):
 
         blocks[1].register_forward_pre_hook(fail)
         with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
+            model(input_ids=torch.arange(5, 15)[None])
+    assert all(param.is_meta for param in model.parameters())
+
+
+def test_a_failed_forward_releases_the_kept_blocks_too(checkpoints):
+    with streamed_model(checkpoints["llama"], resident_bytes=2**40) as model:
+        blocks = repeated_block_list(model).blocks
+        with torch.no_grad():
+            model(input_ids=torch.arange(5, 15)[None])
+        blocks[-1].register_forward_pre_hook(lambda module, args: 1 / 0)
+        with pytest.raises(ZeroDivisionError), torch.no_grad():
             model(input_ids=torch.arange(5, 15)[None])
     assert all(param.is_meta for param in model.parameters())
 
