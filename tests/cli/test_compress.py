@@ -428,8 +428,8 @@ def test_distill_generate_trains_on_sequences_the_streamed_original_samples_afte
     real_check, real_streamed = compress_module.check_distill_memory, distilling_module.streamed_model
     monkeypatch.setattr(compress_module, "check_distill_memory", lambda *args: seen.setdefault(
         "floor", real_check(*args)))
-    monkeypatch.setattr(distilling_module, "streamed_model", lambda *args, resident_bytes: seen.setdefault(
-        "resident", resident_bytes) and real_streamed(*args, resident_bytes=resident_bytes))
+    monkeypatch.setattr(distilling_module, "streamed_model", lambda *args, resident_bytes: (seen.setdefault(
+        "resident", resident_bytes), real_streamed(*args, resident_bytes=resident_bytes))[1])
     argv = _argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS, "--distill", "--distill-steps", "2",
                  "--distill-generate", "5")
     assert main(argv) == 0

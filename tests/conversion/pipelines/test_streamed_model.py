@@ -34,7 +34,7 @@ def _block_bytes(block) -> int:
     return sum(p.numel() * p.element_size() for p in block.parameters())
 
 
-@pytest.mark.parametrize("kept", [0, 1, 2])
+@pytest.mark.parametrize("kept", [0, 1, 2])  # the tiny LLaMA has 2 blocks: 2 keeps the whole model
 def test_blocks_once_read_stay_within_the_resident_budget_and_compute_the_same(checkpoints, monkeypatch, kept):
     from panther_lite.conversion.pipelines import skeleton_parts
 
@@ -55,16 +55,11 @@ def test_blocks_once_read_stay_within_the_resident_budget_and_compute_the_same(c
     assert all(param.is_meta for param in model.parameters())
 
 
-def test_the_whole_model_fits_the_budget_and_is_read_once(checkpoints, monkeypatch):
-    with streamed_model(checkpoints["llama"], resident_bytes=2**40) as model, torch.no_grad():
-        for _ in range(3):
-            model(input_ids=torch.arange(5, 15)[None])
-        assert _real_blocks(repeated_block_list(model).blocks) == len(repeated_block_list(model).blocks)
-    assert all(param.is_meta for param in model.parameters())
-
-
 @pytest.mark.parametrize("budget", [-1, 1.5, "1e9", True])
-def test_a_bad_resident_budget_is_named_and_nothing_is_read(checkpoints, budget):
+def test_a_bad_resident_budget_is_named_and_nothing_is_read(checkpoints, monkeypatch, budget):
+    from panther_lite.conversion.pipelines import streamed_model as streamed_module
+
+    monkeypatch.setattr(streamed_module, "CheckpointFiles", lambda directory: pytest.fail("the checkpoint was read"))
     with pytest.raises(ValueError, match="resident_bytes"):
         with streamed_model(checkpoints["llama"], resident_bytes=budget):
             pass
