@@ -17,31 +17,84 @@ Memory: one copy of each layer's factors (its stored size) per layer run without
 from __future__ import annotations
 
 import weakref
-from typing import Dict, NamedTuple, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import change_detection
 from .factor_layout import LEFT, RIGHT, concatenated_factors
-from .onednn_packing import pack
+from .onednn_packing import pack, packed_product
 
-__all__ = ["clear_factor_cache", "concatenate_factors", "stacked_factors"]
-
-
-class _Entry(NamedTuple):
-    refs: Tuple[weakref.ref, ...]
-    signature: tuple
-    left: Tensor
-    right: Tensor
+__all__ = ["CachedFactors", "cached_factors", "clear_factor_cache", "concatenate_factors", "stacked_factors", "stacked_product"]
 
 
-_CACHE: Dict[int, _Entry] = {}
+class CachedFactors:
+    """One layer's cached ``left``/``right`` with what they were computed from. A layer may
+    hold its entry to skip the lookup (:meth:`serves` checks it as the lookup would);
+    :func:`clear_factor_cache` and the loss of ``S1`` release its tensors."""
+
+    __slots__ = ("refs", "signature", "packed", "left", "right")
+
+    def __init__(self, refs: Tuple[weakref.ref, ...], signature: tuple, packed: bool, left: Tensor, right: Tensor) -> None:
+        self.refs, self.signature, self.packed, self.left, self.right = refs, signature, packed, left, right
+
+    def serves(self, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> bool:
+        """Whether ``left``/``right`` are still those of these factors (inference tensors: never)."""
+        if self.left is None:
+            return False
+        try:
+            signature = _signature(S1, U1, U2, S2, scale)
+        except RuntimeError:  # an inference tensor: "Inference tensors do not track version counter"
+            return False
+        if self.signature != signature:
+            return False
+        s1_ref, u1_ref, u2_ref, s2_ref = self.refs
+        return s1_ref() is S1 and u1_ref() is U1 and u2_ref() is U2 and s2_ref() is S2
+
+    def product(
+        self, x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float
+    ) -> Optional[Tensor]:
+        """``x·left·right (+ bias)`` while this entry serves these factors and the operands
+        share the input's dtype, else None (also for a product that fails: another device,
+        a wrong width), leaving the caller's general route to decide and raise."""
+        if x.dtype != S1.dtype or (bias is not None and bias.dtype != x.dtype) or not self.serves(S1, U1, U2, S2, scale):
+            return None
+        try:
+            return stacked_product(x, self.left, self.right, bias)
+        except RuntimeError:
+            return None
+
+    def release(self) -> None:
+        """Free the tensors; the entry serves nothing any more."""
+        self.left = self.right = None
+
+
+_CACHE: Dict[int, CachedFactors] = {}
 
 
 def clear_factor_cache() -> None:
     """Drop every cached concatenation (they are rebuilt on the next no-grad call)."""
+    for entry in _CACHE.values():
+        entry.release()
     _CACHE.clear()
+
+
+def _forget(key: int) -> None:
+    entry = _CACHE.pop(key, None)
+    if entry is not None:
+        entry.release()
+
+
+def stacked_product(x: Tensor, left: Tensor, right: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``(*, in) -> (*, out)``: ``x·left·right (+ bias)`` with the stacked factors of
+    :func:`stacked_factors` (prepacked ones take the input's leading dimensions as they are)."""
+    if left.is_mkldnn:
+        return packed_product(packed_product(x, left, None), right, bias)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    hidden = torch.mm(rows, left)
+    out = torch.mm(hidden, right) if bias is None else torch.addmm(bias, hidden, right)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _signature(S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float) -> tuple:
@@ -76,19 +129,28 @@ def stacked_factors(
         left, right = stacked_factors(S1, U1, U2, S2, scale)   # (in, 2R), (2R, out)
         y = x @ left @ right                                    # x (rows, in) -> (rows, out)
     """
-    try:
-        signature = _signature(S1, U1, U2, S2, scale) + (packed,)
-    except RuntimeError:  # an inference tensor: "Inference tensors do not track version counter"
-        return concatenate_factors(S1, U1, U2, S2, scale)
+    entry = cached_factors(S1, U1, U2, S2, scale, packed)
+    return concatenate_factors(S1, U1, U2, S2, scale) if entry is None else (entry.left, entry.right)
+
+
+def cached_factors(
+    S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, scale: float, packed: bool = False
+) -> Optional[CachedFactors]:
+    """The cache's entry for these factors (see :func:`stacked_factors`), built on a miss;
+    None for inference tensors, which are never cached."""
     key = id(S1)
     entry = _CACHE.get(key)
-    if entry is not None and entry.signature == signature:
-        s1_ref, u1_ref, u2_ref, s2_ref = entry.refs
-        if s1_ref() is S1 and u1_ref() is U1 and u2_ref() is U2 and s2_ref() is S2:
-            return entry.left, entry.right
+    if entry is not None and entry.packed == packed and entry.serves(S1, U1, U2, S2, scale):
+        return entry
+    try:
+        signature = _signature(S1, U1, U2, S2, scale)
+    except RuntimeError:  # an inference tensor: "Inference tensors do not track version counter"
+        return None
     left, right = concatenate_factors(S1, U1, U2, S2, scale)
     if packed:
         left, right = pack(left), pack(right)
-    refs = (weakref.ref(S1, lambda _: _CACHE.pop(key, None)), weakref.ref(U1), weakref.ref(U2), weakref.ref(S2))
-    _CACHE[key] = _Entry(refs, signature, left, right)
-    return left, right
+    if entry is not None:
+        entry.release()
+    refs = (weakref.ref(S1, lambda _: _forget(key)), weakref.ref(U1), weakref.ref(U2), weakref.ref(S2))
+    entry = _CACHE[key] = CachedFactors(refs, signature, packed, left, right)
+    return entry

@@ -51,7 +51,7 @@ from torch import Tensor
 from torch._C._functorch import peek_interpreter_stack
 from torch.autograd import forward_ad
 
-from .factor_cache import clear_factor_cache, stacked_factors
+from .factor_cache import clear_factor_cache, stacked_factors, stacked_product
 from .onednn_packing import packable, packed_product
 
 __all__ = ["sketched_linear", "clear_factor_cache"]
@@ -256,6 +256,16 @@ def _under_transform() -> bool:
     return peek_interpreter_stack() is not None or forward_ad._current_level >= 0
 
 
+def eager_no_grad() -> bool:
+    """Whether a call now runs eagerly with nothing recorded: grad mode off, no autocast,
+    nothing capturing (compile, export, ``torch.jit.trace``) or transforming (``torch.func``,
+    forward AD). Such a call of a layer whose factors are cached is two plain products."""
+    return not (
+        torch.is_grad_enabled() or torch._C._is_any_autocast_enabled() or torch.compiler.is_compiling()
+        or torch._C._is_tracing() or peek_interpreter_stack() is not None or forward_ad._current_level >= 0
+    )
+
+
 def _autocast(t: Tensor, dtype: torch.dtype) -> Tensor:
     """Autocast's rule: floating tensors other than float64 run in the autocast dtype."""
     return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
@@ -305,18 +315,24 @@ def needs_grad(x: Tensor, S1: Tensor, S2: Tensor, bias: Optional[Tensor]) -> boo
     return x.requires_grad or S1.requires_grad or S2.requires_grad or (bias is not None and bias.requires_grad)
 
 
+def cache_fits(S1: Tensor, S2: Tensor) -> bool:
+    """Whether a layer's factors are small enough for the factor cache (``CACHE_MAX_BYTES``)."""
+    return 2 * (S1.numel() + S2.numel()) * S1.element_size() <= CACHE_MAX_BYTES
+
+
+def packs(x: Tensor, S1: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether the cached factors of a call with these operands are prepacked for oneDNN."""
+    return packable(S1) and x.dtype == S1.dtype and (bias is None or bias.dtype == S1.dtype)
+
+
 def _no_grad_product(
     x: Tensor, S1: Tensor, U1: Tensor, U2: Tensor, S2: Tensor, bias: Optional[Tensor], scale: float, cacheable: bool
 ) -> Tensor:
     """Plain GEMMs, no autograd: two with the cached stacked factors (layers up to
     ``CACHE_MAX_BYTES``; prepacked for oneDNN in bfloat16 on CPU), else either schedule."""
-    if cacheable and 2 * (S1.numel() + S2.numel()) * S1.element_size() <= CACHE_MAX_BYTES:
-        packed = packable(S1) and x.dtype == S1.dtype and (bias is None or bias.dtype == S1.dtype)
-        left, right = stacked_factors(S1, U1, U2, S2, scale, packed)
-        if left.is_mkldnn:
-            return packed_product(packed_product(x, left, None), right, bias)
-        hidden = torch.mm(x, left)
-        return torch.mm(hidden, right) if bias is None else torch.addmm(bias, hidden, right)
+    if cacheable and cache_fits(S1, S2):
+        left, right = stacked_factors(S1, U1, U2, S2, scale, packs(x, S1, bias))
+        return stacked_product(x, left, right, bias)
     if _stacked(x.shape[0], S1.shape[1]):
         hidden = torch.mm(x, torch.cat((S1, U2), dim=1))
         return _scaled_product(bias, hidden, torch.cat((U1, S2), dim=0), scale)

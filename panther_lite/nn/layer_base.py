@@ -45,6 +45,8 @@ class SketchedLayer(nn.Module):
     _dense_class: type = nn.Module
     _weight_layout: str = ""
     _fan_in_name: str = "fan_in"
+    # attributes computed from the factors, dropped on .to()/.half()/... and never pickled or copied
+    _derived_state: Tuple[str, ...] = ("_weight_cache",)
 
     def __init__(self, num_terms: int, low_rank: int, init: str, seed: Optional[int]) -> None:
         super().__init__()
@@ -349,12 +351,14 @@ class SketchedLayer(nn.Module):
         super().__setattr__(name, value)
 
     def _apply(self, fn, recurse: bool = True):
-        self._drop_weight_cache()
+        for name in self._derived_state:
+            self.__dict__.pop(name, None)
         return super()._apply(fn, recurse)
 
     def __getstate__(self):
         state = super().__getstate__()
-        state.pop("_weight_cache", None)
+        for name in self._derived_state:
+            state.pop(name, None)
         return state
 
     def __prepare_scriptable__(self):
