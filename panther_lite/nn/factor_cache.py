@@ -10,6 +10,11 @@ or a new ``.data`` tensor invalidates it. Writes through ``param.data.<op>_()`` 
 optimizer bypass the version counter (that is what ``.data`` is for): call
 :func:`clear_factor_cache` after them.
 
+An ``SKLinear`` keeps a reference to its entry after an eager no-grad call and tries it first
+on the next (:meth:`CachedFactors.product`, which applies the same checks as the lookup);
+:func:`clear_factor_cache` and the loss of ``S1`` release an entry's tensors, so a kept
+reference never holds memory the cache has let go.
+
 Memory: one copy of each layer's factors (its stored size) per layer run without grad. With
 ``packed=True`` (bfloat16 on CPU) the copy is held prepacked for oneDNN
 (:mod:`~panther_lite.nn.onednn_packing`), the same size, instead of as plain concatenations.

@@ -52,7 +52,7 @@ from torch._C._functorch import peek_interpreter_stack
 from torch.autograd import forward_ad
 
 from .factor_cache import clear_factor_cache, stacked_factors, stacked_product
-from .onednn_packing import packable, packed_product
+from .onednn_packing import packable
 
 __all__ = ["sketched_linear", "clear_factor_cache"]
 
@@ -262,7 +262,7 @@ def eager_no_grad() -> bool:
     forward AD). Such a call of a layer whose factors are cached is two plain products."""
     return not (
         torch.is_grad_enabled() or torch._C._is_any_autocast_enabled() or torch.compiler.is_compiling()
-        or torch._C._is_tracing() or peek_interpreter_stack() is not None or forward_ad._current_level >= 0
+        or torch.jit.is_tracing() or _under_transform()
     )
 
 

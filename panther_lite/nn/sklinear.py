@@ -108,9 +108,9 @@ class SKLinear(LinearFactorsLayer):
     def _keep_cached_factors(self, input: Tensor) -> None:
         """After an eager no-grad call by the cached route, keep its cache entry for
         :meth:`forward` (a reference: the tensors are the cache's)."""
-        self.__dict__.pop("_cached_factors", None)
         if type(input) is not Tensor or not eager_no_grad():
             return
+        self.__dict__.pop("_cached_factors", None)
         S1, U1, U2, S2, bias = self._operands()
         same_dtype = all(t.dtype == input.dtype for t in (S1, U1, U2, S2) + (() if bias is None else (bias,)))
         if same_dtype and cache_fits(S1, S2):

@@ -130,3 +130,18 @@ def test_a_weight_read_is_freed_by_the_next_call():
     with torch.no_grad():
         layer(x)
     assert "_weight_cache" not in layer.__dict__
+
+
+def test_compile_and_export_after_an_entry_is_kept_record_the_op():
+    torch._dynamo.reset()
+    layer = _layer()
+    x = torch.randn(4, 24)
+    _kept(layer, x)
+    with torch.no_grad():
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(x), _reference(layer, x))
+        layer.S2.mul_(2)  # a graph that froze the cached factors would not see this
+        torch.testing.assert_close(compiled(x), _reference(layer, x))
+        exported = torch.export.export(layer, (x,))
+    assert "panther_lite.sketched_linear" in str(exported.graph)
+    torch.testing.assert_close(exported.module()(x), _reference(layer, x))
