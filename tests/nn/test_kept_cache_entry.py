@@ -145,3 +145,23 @@ def test_compile_and_export_after_an_entry_is_kept_record_the_op():
         exported = torch.export.export(layer, (x,))
     assert "panther_lite.sketched_linear" in str(exported.graph)
     torch.testing.assert_close(exported.module()(x), _reference(layer, x))
+
+
+def test_a_trace_after_an_entry_is_kept_sees_later_weight_updates():
+    layer = _layer()
+    x = torch.randn(4, 24)
+    _kept(layer, x)
+    with torch.no_grad():
+        traced = torch.jit.trace(layer, (x,), check_trace=False)
+        layer.S2.mul_(2)  # a trace of the entry's products would hold the old factors as constants
+        torch.testing.assert_close(traced(x), _reference(layer, x))
+
+
+@pytest.mark.skipif(torch.bfloat16 not in DTYPES, reason="needs prepacked bfloat16 products (AVX-512 BF16 or AMX)")
+def test_a_packed_entry_is_not_used_under_autocast():
+    layer = _layer(torch.bfloat16)
+    x = torch.randn(4, 24, dtype=torch.bfloat16)
+    _kept(layer, x)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        out = layer(x)
+    assert out.dtype == torch.float16  # autocast's dtype, as nn.Linear gives; the packed products would give bfloat16
