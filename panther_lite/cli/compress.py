@@ -304,11 +304,11 @@ def run_compress(args: argparse.Namespace) -> int:
         kept = staging_path(args.output)
         earlier = kept.is_dir() and not args.resume  # refused: the error says why
         try:
+            distill = distiller(args, text, tokenizer, DTYPES.get(args.dtype), distill_floor, say)
             report = compress_checkpoint(
-                args.model_dir, args.output, calibration_data=batches, config=config, resume=args.resume,
-                dtype=DTYPES.get(args.dtype), overwrite=args.overwrite, in_memory=args.in_memory,
-                allow_missing_weights=args.allow_missing_weights,
-                distill=distiller(args, text, tokenizer, DTYPES.get(args.dtype), distill_floor, say),
+                args.model_dir, args.output, calibration_data=batches + distill.calibration, config=config,
+                resume=args.resume, dtype=DTYPES.get(args.dtype), overwrite=args.overwrite, in_memory=args.in_memory,
+                allow_missing_weights=args.allow_missing_weights, distill=distill.train,
             )
         except BaseException:
             if kept.is_dir() and not earlier:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -31,8 +31,8 @@ from .arguments import positive_float, positive_int
 from .checkpoint import CommandError
 from .config_options import Option, add_config_options, config_overrides
 
-__all__ = ["DISTILLATION_CSV", "add_distill_options", "check_distill_options", "check_distill_memory", "distiller",
-           "run_distill", "sampling_dtype"]
+__all__ = ["DISTILLATION_CSV", "PreparedDistillation", "add_distill_options", "check_distill_options",
+           "check_distill_memory", "distiller", "first_sequences", "run_distill", "sampling_dtype"]
 
 DISTILLATION_CSV = "distillation.csv"
 _STORED_AT_LEAST = 0.9  # of param_ratio: the least a uniform allocation stores where a rank step allows
@@ -58,7 +58,7 @@ DISTILL_OPTIONS = (
 def add_distill_options(command: argparse.ArgumentParser) -> None:
     """``--distill``, the :class:`~panther_lite.DistillConfig` fields it offers
     (``--distill-max-steps``, ``--distill-max-minutes``, ``--distill-lr``, ``--distill-top-k``, ``--distill-train``,
-    ``--distill-autocast``) and ``--distill-generate`` in their own group."""
+    ``--distill-autocast``), ``--distill-generate`` and ``--calibrate-generated`` in their own group."""
     group = command.add_argument_group("distillation against the original (panther_lite.distill, DistillConfig's fields)")
     group.add_argument("--distill", action=argparse.BooleanOptionalAction, default=None,
                        help="after the conversion, train the converted model's factors and biases to reproduce the "
@@ -70,6 +70,11 @@ def add_distill_options(command: argparse.ArgumentParser) -> None:
                             f"each continuing the first {SAMPLED_PREFIX} tokens of a calibration sample, as long as the calibration "
                             "batches): more text than the calibration holds, at one pass over the checkpoint per "
                             "generated token")
+    group.add_argument("--calibrate-generated", type=positive_int, default=None, metavar="N",
+                       help="let the first N of --distill-generate's sequences (all, if it samples fewer) also "
+                            "calibrate the conversion (its fits, plan and output Fisher) beside the calibration text: "
+                            "the fits then see what the original writes, not only the calibration samples; converting "
+                            "takes longer in proportion to the tokens")
 
 
 def check_distill_options(args: argparse.Namespace) -> dict:
@@ -77,9 +82,13 @@ def check_distill_options(args: argparse.Namespace) -> dict:
     without ``--distill``; with ``--no-distill``, e.g. turning a recipe's distillation off, they
     are ignored)."""
     settings = config_overrides(args, DISTILL_OPTIONS, prefix="distill-")
-    if (settings or args.distill_generate) and args.distill is None:
+    if (settings or args.distill_generate or args.calibrate_generated) and args.distill is None:
         raise CommandError("--distill-max-steps, --distill-max-minutes, --distill-lr, --distill-top-k, --distill-train, "
-                           "--distill-autocast and --distill-generate set the distillation: add --distill")
+                           "--distill-autocast, --distill-generate and --calibrate-generated set the distillation: "
+                           "add --distill")
+    if args.distill and args.calibrate_generated and not args.distill_generate:
+        raise CommandError(f"--calibrate-generated {args.calibrate_generated} takes the first of the sequences "
+                           "--distill-generate N samples: add --distill-generate")
     return settings
 
 
@@ -143,25 +152,62 @@ def _with_samples(args: argparse.Namespace, batches: List[dict], dtype, config: 
     return batches + sampled, known
 
 
+def first_sequences(batches: List[dict], count: int) -> List[dict]:
+    """The first ``count`` rows of ``batches`` (dicts of tensors, rows first), batched as they were.
+
+    Examples:
+        >>> rows = [{"input_ids": torch.zeros(8, 4)}, {"input_ids": torch.ones(8, 4)}]
+        >>> [batch["input_ids"].shape[0] for batch in first_sequences(rows, 11)]
+        [8, 3]
+    """
+    kept, left = [], count
+    for batch in batches:
+        if left <= 0:
+            break
+        rows = min(left, batch["input_ids"].shape[0])
+        kept.append({key: value[:rows] for key, value in batch.items()})
+        left -= rows
+    return kept
+
+
+class PreparedDistillation(NamedTuple):
+    """What :func:`distiller` prepares: ``train(model, directory)``, the ``distill`` step of
+    :func:`~panther_lite.compress_checkpoint` (None without ``--distill``), and ``calibration``,
+    the sampled batches that also calibrate the conversion (``--calibrate-generated``)."""
+
+    train: Optional[Callable]
+    calibration: List[dict]
+
+
 def distiller(args: argparse.Namespace, batches: List[dict], tokenizer, dtype, resident_bytes: int,
-              say) -> Optional[Callable]:
+              say) -> PreparedDistillation:
     """With ``--distill``, :func:`~panther_lite.compress_checkpoint`'s ``distill`` step: the
     original's outputs on the text ``batches`` (with ``--distill-generate N``, N sequences it
     samples, its blocks kept in memory while they total at most ``resident_bytes``: the floor
     :func:`check_distill_memory` returns, which the distillation holds anyway; their outputs
     kept as it samples them where it samples in ``dtype``; and
     ``--random-tokens N`` random-token sequences of ``distill``'s length, drawn once) cached now,
-    streamed from MODEL_DIR in ``dtype``, and :func:`run_distill` against them; else None."""
+    streamed from MODEL_DIR in ``dtype``, and :func:`run_distill` against them, with the first
+    ``--calibrate-generated`` sampled sequences for the conversion's calibration."""
     if not args.distill:
-        return None
+        return PreparedDistillation(None, [])
     random = {"tokenizer": tokenizer, "random_tokens": args.random_tokens} if args.random_tokens else {}
     config = DistillConfig(progress=not args.quiet, **random, **check_distill_options(args))
-    batches, known = _with_samples(args, batches, dtype, config, resident_bytes, say)
+    data, known = _with_samples(args, batches, dtype, config, resident_bytes, say)
+    calibration = first_sequences(data[len(batches):], args.calibrate_generated or 0)
+    if calibration:
+        tokens = sum(int(batch["attention_mask"].sum()) for batch in calibration)
+        rows = sum(batch["input_ids"].shape[0] for batch in calibration)
+        say(f"the first {rows} of them also calibrate the conversion ({tokens:,} tokens)")
     started = time.perf_counter()
-    cached = teacher_outputs(args.model_dir, batches, config, dtype=dtype, known=known)
+    cached = teacher_outputs(args.model_dir, data, config, dtype=dtype, known=known)
     say(f"cached the original's outputs on {len(cached)} batches ({cached.nbytes / 2**20:.1f} MiB, top "
         f"{config.top_k} log-probabilities per token) in {time.perf_counter() - started:.1f} s")
-    return lambda model, directory: run_distill(model, cached, batches, config, directory, say)
+
+    def train(model: nn.Module, directory: Optional[Path]) -> DistillationResult:
+        return run_distill(model, cached, data, config, directory, say)
+
+    return PreparedDistillation(train, calibration)
 
 
 def run_distill(model: nn.Module, cached: TeacherOutputs, batches: List[dict], config: DistillConfig,

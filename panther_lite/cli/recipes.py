@@ -18,8 +18,9 @@ RECIPES: Dict[str, Tuple[str, ...]] = {
     # chosen on validation text (benchmarks/bench_llm_ppl.py --split validation; docs/evaluation.rst)
     "causal-lm": (
         "--allocation", "global", "--sensitivity", "kl", "--sequential", "--random-tokens", "256",
-        "--distill", "--distill-max-steps", "320", "--distill-lr", "4e-4", "--distill-generate", "512",
-        "--distill-train", "factors,biases,norms", "--distill-autocast", "auto", "--output-fisher",
+        "--distill", "--distill-max-steps", "320", "--distill-max-minutes", "15", "--distill-lr", "4e-4",
+        "--distill-generate", "512", "--calibrate-generated", "128", "--distill-train", "factors,biases,norms",
+        "--distill-autocast", "auto", "--output-fisher",
     ),
 }
 """``{name: its options}``, as they would be typed."""

@@ -451,6 +451,45 @@ def test_distill_generate_trains_on_sequences_the_streamed_original_samples_afte
 
 
 
+def test_calibrate_generated_lets_the_first_sampled_sequences_calibrate_the_conversion_too(
+    checkpoints, text_file, tmp_path, monkeypatch, capsys
+):
+    """The conversion is calibrated on the text, then the first N sequences the distillation trains on
+    (the very tensors, cut to N rows); asking for more than are sampled takes them all."""
+    seen, calls = {}, []
+    real_distill = distilling_module.distill
+    monkeypatch.setattr(distilling_module, "distill", lambda model, cached, data, config: seen.update(
+        data=data) or real_distill(model, cached, data, config))
+    _spy(monkeypatch, calls)
+    loud = [arg for arg in RATIO_ARGS if arg != "--quiet"]
+    argv = _argv(checkpoints["llama"], text_file, tmp_path / "out", *loud, "--distill", "--distill-steps", "1",
+                 "--distill-generate", "11", "--batch-size", "4")
+    assert main([*argv, "--calibrate-generated", "6"]) == 0
+    assert "the first 6 of them also calibrate the conversion" in capsys.readouterr().err
+    text = len(seen["data"]) - 3  # 11 sequences in batches of 4
+    calibration = calls[0]["calibration_data"]
+    assert [batch["input_ids"].shape[0] for batch in calibration[text:]] == [4, 2]
+    assert all(got is want for got, want in zip(calibration[:text], seen["data"][:text]))
+    sampled = torch.cat([batch["input_ids"] for batch in seen["data"][text:]])
+    assert torch.equal(torch.cat([batch["input_ids"] for batch in calibration[text:]]), sampled[:6])
+    assert main([*argv, "--calibrate-generated", "40", "--overwrite"]) == 0
+    assert torch.equal(torch.cat([batch["input_ids"] for batch in calls[1]["calibration_data"][text:]]), sampled)
+    assert main([*argv, "--overwrite"]) == 0  # without it, the text alone
+    assert len(calls[2]["calibration_data"]) == text
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--calibrate-generated", "4"], "add --distill"),
+    (["--distill", "--calibrate-generated", "4"], "--calibrate-generated 4 takes the first of the sequences --distill-generate"),
+])
+def test_calibrate_generated_without_what_it_takes_is_refused_before_anything_is_written(
+    checkpoints, text_file, tmp_path, capsys, extra, message
+):
+    assert main(_argv(checkpoints["llama"], text_file, tmp_path / "out", *RATIO_ARGS, *extra)) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_original_samples_in_bfloat16_when_the_student_trains_in_it(checkpoints, text_file, tmp_path, monkeypatch):
     seen = []
     real_sampled = distilling_module.sampled_batches

@@ -1,4 +1,6 @@
 """``compress --recipe NAME``: the preset's options as if typed first, every explicit option winning."""
+from pathlib import Path
+
 import pytest
 
 from panther_lite.cli import CommandError, build_parser, main
@@ -69,3 +71,10 @@ def test_across_processes_the_recipe_names_how_to_turn_its_output_fisher_off(mon
     assert convert_config(build_parser().parse_args(expand_recipe([*recipe, "--no-output-fisher"]))).output_fisher is False
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert convert_config(build_parser().parse_args(expand_recipe(recipe))).output_fisher is True
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/command.rst"])
+def test_the_documents_list_the_causal_lm_recipe_as_it_is(document):
+    """The README and the command's page say which options the recipe sets: exactly these, in order."""
+    text = (Path(__file__).resolve().parents[2] / document).read_text(encoding="utf-8").replace("`", "")
+    assert " ".join(RECIPES["causal-lm"]) in " ".join(text.split())
