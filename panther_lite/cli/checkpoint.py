@@ -12,7 +12,7 @@ from ..conversion.calibration.random_tokens import model_positions
 from ..conversion.saving.weight_files import read_json
 from ..extras import require
 
-__all__ = ["CommandError", "check_model_dir", "load_tokenizer", "read_samples", "calibration_batches"]
+__all__ = ["CommandError", "check_model_dir", "load_tokenizer", "read_samples", "calibration_batches", "real_tokens"]
 
 
 class CommandError(Exception):
@@ -95,3 +95,8 @@ def calibration_batches(
             attention_mask[row, :len(ids)] = 1
         batches.append(dict(input_ids=input_ids, attention_mask=attention_mask))
     return batches
+
+
+def real_tokens(batches: List[Dict[str, torch.Tensor]]) -> int:
+    """The real (unpadded) tokens of ``batches``: the sum of their ``attention_mask``."""
+    return sum(int(batch["attention_mask"].sum()) for batch in batches)

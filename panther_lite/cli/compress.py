@@ -28,7 +28,7 @@ from ..extras import quiet_optional_imports, require
 from ..nn.low_rank_fit import FIT_METHODS
 from .arguments import DTYPES, positive_float, positive_int
 from .config_options import Option, add_config_options, config_overrides
-from .checkpoint import CommandError, calibration_batches, check_model_dir, load_tokenizer, read_samples
+from .checkpoint import CommandError, calibration_batches, check_model_dir, load_tokenizer, read_samples, real_tokens
 from .recipes import RECIPES, add_recipe_option
 from .distilling import add_distill_options, check_distill_memory, check_distill_options, distiller
 from .evaluation import Evaluation, add_evaluation_options
@@ -259,7 +259,7 @@ def _calibration(args: argparse.Namespace, tokenizer, files: CheckpointFiles, sa
     skeleton = files.skeleton(DTYPES.get(args.dtype))
     text = calibration_batches(samples, tokenizer, skeleton, args.seq_len, args.batch_size)
     batches = text + (_random_tokens(tokenizer, skeleton, args) if args.random_tokens else [])
-    tokens = sum(int(batch["attention_mask"].sum()) for batch in batches)
+    tokens = real_tokens(batches)
     _warn_if_few_tokens(skeleton, tokens)
     extra = f" and {args.random_tokens} random-token sequences" if args.random_tokens else ""
     say(f"compressing {type(skeleton).__name__} ({files.auto_class.__name__}) from {args.model_dir}; calibrating "

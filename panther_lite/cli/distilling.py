@@ -28,7 +28,7 @@ from ..conversion.pipelines.blocks import without_kv_cache
 from ..conversion.pipelines.streamed_model import streamed_model
 from ..conversion.selection import select_layers
 from .arguments import positive_float, positive_int
-from .checkpoint import CommandError
+from .checkpoint import CommandError, real_tokens
 from .config_options import Option, add_config_options, config_overrides
 
 __all__ = ["DISTILLATION_CSV", "PreparedDistillation", "add_distill_options", "check_distill_options",
@@ -196,9 +196,8 @@ def distiller(args: argparse.Namespace, batches: List[dict], tokenizer, dtype, r
     data, known = _with_samples(args, batches, dtype, config, resident_bytes, say)
     calibration = first_sequences(data[len(batches):], args.calibrate_generated or 0)
     if calibration:
-        tokens = sum(int(batch["attention_mask"].sum()) for batch in calibration)
         rows = sum(batch["input_ids"].shape[0] for batch in calibration)
-        say(f"the first {rows} of them also calibrate the conversion ({tokens:,} tokens)")
+        say(f"the first {rows} of them also calibrate the conversion ({real_tokens(calibration):,} tokens)")
     started = time.perf_counter()
     cached = teacher_outputs(args.model_dir, data, config, dtype=dtype, known=known)
     say(f"cached the original's outputs on {len(cached)} batches ({cached.nbytes / 2**20:.1f} MiB, top "
